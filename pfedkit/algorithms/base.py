@@ -1,0 +1,190 @@
+"""The Algorithm contract: server math + client math over explicit state and messages.
+
+An algorithm never owns a round loop. The engine (`pfedkit.engine.simulate`) calls, each round:
+
+    messages = algo.broadcast(rnd, server, participants)          # what each client downloads
+    for each participant (in lock-step, so a runtime can batch them):
+        gen = algo.client_update(rnd, cid, client_state, message, data)
+        params = yield Fit(...)   # a training request; the runtime answers with trained params
+        ... return new_client_state, reply_message
+    server = algo.aggregate(rnd, server, replies)
+    model used by client cid = algo.client_model(cid, server, client_state)   # for evaluation
+
+Because `client_update` *yields* `Fit` requests instead of training, the same definition runs in
+the sequential trainer, in worker processes and (later) vectorized or over Flower. Messages are
+plain dicts of tensors/arrays/numbers so the engine can count their bytes and ship them; state is
+whatever the algorithm keeps (dicts of tensors), checkpointed as is. Keep client state compact:
+only what the client really keeps between rounds (FedAvg keeps nothing).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+from pfedkit.algorithms.params import Params
+
+Message = dict[str, Any]
+
+
+class Forward(NamedTuple):
+    """What a loss sees of the model's forward pass on a mini-batch."""
+    features: torch.Tensor  # body output h, [B, d]
+    logits: torch.Tensor    # head output z, [B, C]
+
+
+# A loss is a pure function of (forward output, labels, live parameters, request context). Use
+# module-level functions (with functools.partial for hyperparameters) so that requests can be
+# sent to worker processes.
+LossFn = Callable[[Forward, torch.Tensor, Params, Mapping[str, Any]], torch.Tensor]
+
+
+def cross_entropy(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any]) -> torch.Tensor:
+    """Mean cross-entropy over the mini-batch."""
+    return F.cross_entropy(out.logits, y)
+
+
+@dataclass
+class Fit:
+    """A request to train `params` on the client's own training data.
+
+    trainable: "all", "body" or "head" (the rest stays frozen but is still used in the forward).
+    epochs / steps: local epochs (None: the config's local_epochs) or an exact number of
+    mini-batches. lr: None uses the config's lr. context: tensors the loss reads (anchors,
+    prototypes...), kept as given.
+    """
+    params: Params
+    loss: LossFn = cross_entropy
+    trainable: str = "all"
+    epochs: int | None = None
+    steps: int | None = None
+    lr: float | None = None
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trainable not in ("all", "body", "head"):
+            raise ValueError(f"Fit.trainable must be 'all', 'body' or 'head', got {self.trainable!r}")
+
+
+ClientUpdate = Generator[Fit, Params, tuple[Any, Message]]
+
+
+class NoHyper(BaseModel):
+    """An algorithm without hyperparameters of its own."""
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """One client's data, in memory. Index arrays into the dataset are saved with the run."""
+    cid: int
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    class_counts: np.ndarray  # training samples per class, [C]
+
+    @property
+    def n_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+    @property
+    def n_test(self) -> int:
+        return int(self.y_test.shape[0])
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What an algorithm knows about the federation when it is built."""
+    num_clients: int
+    num_classes: int
+    train_counts: np.ndarray  # [N, C] training samples per client and class
+    seed: int
+    local_epochs: int
+    ops: Any  # pfedkit.engine.model_ops.ModelOps: functional forward for server-side math
+
+
+class Algorithm:
+    """Base class: subclasses set `name`, optionally `Hyper`, `head` and override the hooks."""
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    head: ClassVar[str] = "last"  # which layers form the head: "last" Linear or all "fc" layers
+    Hyper: ClassVar[type[BaseModel]] = NoHyper
+
+    def __init__(self, hyper: BaseModel, setup: Setup) -> None:
+        self.h = hyper
+        self.setup = setup
+        self.diagnostics: dict[str, dict[int, Any]] = {}  # replaced by the engine's checkpointed dict
+
+    def record(self, rnd: int, key: str, value: Any) -> None:
+        """Keep what the algorithm decided this round (a matrix, a selection...) for reports.
+
+        Stored in the run directory's diagnostics.pt as {key: {round: value}} and checkpointed,
+        so a resumed run keeps them. Use numpy arrays or plain Python values.
+        """
+        self.diagnostics.setdefault(key, {})[rnd] = value
+
+    @staticmethod
+    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
+        """Draw this algorithm's diagnostics as PNGs into out_dir; returns the files written."""
+        return []
+
+    def init_server(self, params: Params) -> Any:
+        return None
+
+    def init_client(self, cid: int, params: Params) -> Any:
+        return None
+
+    def broadcast(self, rnd: int, server: Any, cids: list[int]) -> dict[int, Message]:
+        return {cid: {} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
+        return server
+
+    def client_model(self, cid: int, server: Any, client: Any) -> Params:
+        """The parameters client `cid` would predict with now (what evaluation measures)."""
+        raise NotImplementedError
+
+
+def message_bytes(message: Any) -> int:
+    """Bytes a message carries: tensor/array payloads, 8 bytes per Python number."""
+    if message is None:
+        return 0
+    if isinstance(message, torch.Tensor):
+        return message.numel() * message.element_size()
+    if isinstance(message, np.ndarray):
+        return int(message.nbytes)
+    if isinstance(message, (bool, int, float, np.number)):
+        return 8
+    if isinstance(message, Mapping):
+        return sum(message_bytes(value) for value in message.values())
+    if isinstance(message, (list, tuple)):
+        return sum(message_bytes(value) for value in message)
+    if isinstance(message, str):
+        return len(message.encode())
+    raise TypeError(f"cannot count the bytes of a {type(message).__name__} in a message")
+
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make an algorithm available by its `name`."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"algorithm name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registry() -> dict[str, type[Algorithm]]:
+    return _REGISTRY
+

@@ -1,0 +1,39 @@
+"""FedProx (Li et al., MLSys 2020): FedAvg with the proximal term (mu/2)||w - w^t||^2.
+
+The term is added to the loss, whose gradient is PFLlib's perturbed step grad F_i + mu (w - w^t).
+mu = 0 is exactly FedAvg. Default mu = 0.01 [ours, baselines.md].
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pfedkit.algorithms.base import Fit, Forward, Message, cross_entropy, register
+from pfedkit.algorithms.fedavg import FedAvg
+from pfedkit.algorithms.params import Params, squared_distance
+
+
+def proximal_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *, mu: float) -> torch.Tensor:
+    """CE + (mu/2) ||w - anchor||^2, anchor = context["anchor"] (the received global model)."""
+    loss = cross_entropy(out, y, params, context)
+    if mu == 0:
+        return loss
+    return loss + 0.5 * mu * squared_distance(params, context["anchor"])
+
+
+@register
+class FedProx(FedAvg):
+    name = "fedprox"
+    description = "FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2"
+
+    class Hyper(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        mu: float = Field(0.01, ge=0, description="proximal coefficient")
+
+    def local_fit(self, message: Message) -> Fit:
+        return Fit(message["params"], loss=partial(proximal_loss, mu=self.h.mu),
+                   context={"anchor": message["params"]})

@@ -1,0 +1,66 @@
+"""Math on parameter dictionaries (`Params = dict[name, Tensor]`), shared by every algorithm.
+
+Parameter names start with `body.` or `head.` (every model is body + head), so selecting a part
+is a prefix filter. These helpers never modify their inputs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+Params = dict[str, torch.Tensor]
+
+
+def select(params: Params, part: str) -> Params:
+    """The `body` or `head` subset of `params` (`all` returns every entry)."""
+    if part == "all":
+        return dict(params)
+    if part not in ("body", "head"):
+        raise ValueError(f"part must be 'all', 'body' or 'head', got {part!r}")
+    prefix = part + "."
+    return {name: value for name, value in params.items() if name.startswith(prefix)}
+
+
+def merge(*parts: Params) -> Params:
+    """Union of parameter subsets; later ones win on a shared name."""
+    merged: Params = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def clone(params: Params) -> Params:
+    return {name: value.detach().clone() for name, value in params.items()}
+
+
+def weighted_mean(params_list: Sequence[Params], weights: Iterable[float]) -> Params:
+    """WMean({w_j}, {a_j}) = sum_j a_j w_j / sum_j a_j, entry by entry (float64 weights)."""
+    weights = [float(w) for w in weights]
+    if len(weights) != len(params_list) or not params_list:
+        raise ValueError("weighted_mean needs one weight per parameter set and at least one set")
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"weighted_mean: weights must sum to a positive number, got {weights}")
+    shares = [w / total for w in weights]
+    out: Params = {}
+    for name in params_list[0]:
+        acc = torch.zeros_like(params_list[0][name])
+        for share, params in zip(shares, params_list):
+            acc.add_(params[name], alpha=share)
+        out[name] = acc
+    return out
+
+
+def squared_distance(a: Params, b: Params) -> torch.Tensor:
+    """sum over shared entries of ||a - b||^2 (differentiable in `a`)."""
+    return sum(((a[name] - b[name]) ** 2).sum() for name in b)
+
+
+def flatten(params: Params) -> torch.Tensor:
+    """One 1-D vector of all entries, in the dictionary's order."""
+    return torch.cat([value.reshape(-1) for value in params.values()])
+
+
+def num_parameters(params: Params) -> int:
+    return sum(value.numel() for value in params.values())

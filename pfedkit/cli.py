@@ -1,0 +1,169 @@
+"""Command line: `pfedkit run | compare | list | data stats` (see README).
+
+Configuration errors end with one line on stderr naming the key and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pfedkit.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from pfedkit.data.datasets import DataError
+    from pfedkit.data.partition import PartitionError
+
+    return ConfigError, PartitionError, DataError
+
+
+def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """The first item is a config file unless it looks like key=value."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def results_table(summaries: list[dict]) -> str:
+    header = f"{'algorithm':<12} {'final acc':>9} {'last-5 acc':>10} {'best acc':>8} {'best round':>10} {'seconds':>8}"
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        lines.append(f"{s['algorithm']:<12} {_pct(s['final_acc']):>9} {_pct(s['last5_acc']):>10} "
+                     f"{_pct(s['best_acc']):>8} {str(s['best_round']):>10} {s['seconds']:>8.1f}")
+    lines.append("accuracy: sample-weighted mean over clients' test splits; best round is chosen on test data")
+    return "\n".join(lines)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from pfedkit.runs import run
+
+    source, overrides = split_config_and_overrides(ns.items)
+    if ns.resume and (source or overrides):
+        raise ConfigError("--resume takes no config or overrides: the run directory's config.yaml is used")
+    result = run(source, overrides, resume=ns.resume, quiet=ns.quiet)
+    print(results_table([result.summary]))
+    print(f"run directory: {result.run_dir}")
+    return 0
+
+
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from pfedkit.config import load_config
+    from pfedkit.runs import run
+
+    source, overrides = split_config_and_overrides(ns.items)
+    names = [a.strip() for a in ns.algorithms.split(",") if a.strip()]
+    configs = [load_config(source, overrides + [f"algorithm={name}"]) for name in names]  # validate all first
+    summaries = []
+    for config in configs:
+        result = run(config, quiet=ns.quiet)
+        summaries.append(result.summary)
+        print(f"{config.algorithm}: {result.run_dir}", file=sys.stderr)
+    print(results_table(summaries))
+    return 0
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+    from pfedkit.config import SCHEME_PARAMS
+    from pfedkit.data.datasets import DATASETS
+    from pfedkit.models import MODELS
+
+    print("algorithms:")
+    for name in algorithm_names():
+        print(f"  {name:<14} {get_algorithm(name).description}")
+    print("datasets:")
+    for name, info in DATASETS.items():
+        print(f"  {name:<14} {info.description}")
+    print("partitions:")
+    for name, params in SCHEME_PARAMS.items():
+        print(f"  {name:<14} parameters: {', '.join(params)}")
+    print("models:")
+    for name, info in MODELS.items():
+        print(f"  {name:<14} {info.description}")
+    return 0
+
+
+def cmd_data_stats(ns: argparse.Namespace) -> int:
+    from pfedkit.config import load_config
+    from pfedkit.data.datasets import load_dataset
+    from pfedkit.data.federated import split_indices
+    from pfedkit.data.stats import client_class_table, write_heatmap
+
+    source, overrides = split_config_and_overrides(ns.items)
+    config = load_config(source, overrides)
+    dataset = load_dataset(config.dataset, config.data_dir)
+    train_index, test_index = split_indices(config, dataset)
+    table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
+    print(table.to_string())
+    out = Path(ns.out or Path(config.out_dir) / f"data-stats-{config.dataset}-{config.partition.scheme}.png")
+    write_heatmap(table, out, title=f"{config.dataset}: {config.partition.scheme}, {config.num_clients} clients")
+    print(f"heatmap: {out}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from pfedkit.report.run_report import report_run
+
+    try:
+        written = report_run(ns.run_dir)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    for path in written:
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pfedkit", description="Personalized federated learning simulations.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_run = sub.add_parser("run", help="run one simulation (no config: the embedded default job)")
+    p_run.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (dotted keys for nested values)")
+    p_run.add_argument("--resume", metavar="DIR", help="continue a killed run from its run directory")
+    p_run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p_run.set_defaults(func=cmd_run)
+
+    p_cmp = sub.add_parser("compare", help="run several algorithms on the same partition and seed")
+    p_cmp.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    p_cmp.add_argument("--algorithms", default="local,fedavg,fedprox", help="comma-separated names")
+    p_cmp.add_argument("-q", "--quiet", action="store_true")
+    p_cmp.set_defaults(func=cmd_compare)
+
+    p_list = sub.add_parser("list", help="registered algorithms, datasets, partitions and models")
+    p_list.set_defaults(func=cmd_list)
+
+    p_report = sub.add_parser("report", help="plots of a run: accuracy curves and the algorithm's diagnostics")
+    p_report.add_argument("run_dir", help="a run directory")
+    p_report.set_defaults(func=cmd_report)
+
+    p_data = sub.add_parser("data", help="dataset tools")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    p_stats = data_sub.add_parser("stats", help="per-client class counts and a heatmap PNG")
+    p_stats.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    p_stats.add_argument("--out", help="PNG path (default: OUT_DIR/data-stats-DATASET-SCHEME.png)")
+    p_stats.set_defaults(func=cmd_data_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted: resume with `pfedkit run --resume RUN_DIR` (the run directory printed above)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

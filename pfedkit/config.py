@@ -1,0 +1,230 @@
+"""Typed run configuration: YAML file + `key=value` overrides, validated with clear messages.
+
+Every key a script may rely on is a field here. Each algorithm's own hyperparameters live in a
+section named after it (`fedprox: {mu: 0.01}`, or `fedprox.mu=0.01` on the command line) and are
+validated by that algorithm's `Hyper` model. Anything wrong ends in a `ConfigError` whose single
+line names the key, says what was wrong and what is allowed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. `str(err)` is one line meant for the user."""
+
+
+PartitionScheme = Literal["iid", "dirichlet", "dirichlet_client", "pathological", "shards",
+                          "group_dominant", "nway_kshot"]
+
+# Which partition-config fields each scheme passes to `pfedkit.data.partition.partition`.
+SCHEME_PARAMS: dict[str, tuple[str, ...]] = {
+    "iid": ("samples_per_client",),
+    "dirichlet": ("alpha", "least"),
+    "dirichlet_client": ("alpha", "samples_per_client"),
+    "pathological": ("classes_per_client", "balanced"),
+    "shards": ("shards_per_client",),
+    "group_dominant": ("s", "samples_per_client"),
+    "nway_kshot": ("n", "k", "n_noise", "k_noise"),
+}
+
+
+class PartitionConfig(BaseModel):
+    """How the pool is split over clients (settings.md §1) and how each client's test set is made."""
+    model_config = ConfigDict(extra="forbid")
+
+    scheme: PartitionScheme = "dirichlet"
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (smaller = more skew)")
+    least: int | None = Field(None, ge=1, description="dirichlet: minimum client size (None: PFLlib rule)")
+    classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
+    balanced: bool = Field(False, description="pathological: equal shares instead of random sizes")
+    shards_per_client: int = Field(2, ge=1)
+    s: float = Field(0.2, ge=0, le=1, description="group_dominant: IID fraction")
+    n: int = Field(3, ge=1, description="nway_kshot: mean number of classes (ways)")
+    k: int = Field(100, ge=1, description="nway_kshot: mean samples per class (shots)")
+    n_noise: int = Field(1, ge=0)
+    k_noise: int = Field(1, ge=0)
+    samples_per_client: int | None = Field(None, ge=1)
+    train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share (per_client split)")
+    stratified: bool = Field(True, description="per-client split keeps each class's ratio [ours]")
+    test_split: Literal["auto", "per_client", "official_fraction", "official_shots"] = Field(
+        "auto", description="auto: official_shots for nway_kshot, per_client otherwise")
+    test_fraction: float = Field(0.1, gt=0, le=1, description="official_fraction: DA-PFL's 10% per class")
+    test_shots: int = Field(40, ge=1, description="official_shots: test images per class of a client")
+
+    def resolved_test_split(self) -> str:
+        if self.test_split != "auto":
+            return self.test_split
+        return "official_shots" if self.scheme == "nway_kshot" else "per_client"
+
+    def scheme_params(self) -> dict[str, Any]:
+        params = {name: getattr(self, name) for name in SCHEME_PARAMS[self.scheme]}
+        return {k: v for k, v in params.items() if v is not None}
+
+
+class Config(BaseModel):
+    """One run. Defaults give the embedded job: FedAvg on `digits`, 10 clients, Dirichlet 0.5."""
+    model_config = ConfigDict(extra="allow")  # extra keys must be algorithm sections (checked below)
+
+    algorithm: str = "fedavg"
+    dataset: str = "digits"
+    model: str = Field("auto", description="auto: the dataset's default model")
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    num_clients: int = Field(10, ge=1)
+    join_ratio: float = Field(1.0, gt=0, le=1)
+    rounds: int = Field(20, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(10, ge=1)
+    lr: float = Field(0.05, gt=0, description="SGD learning rate (papers: 0.005-0.01; set it per preset)")
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm at this value")
+    drop_last: bool = False
+    seed: int = 0
+    eval_every: int = Field(1, ge=1)
+    backend: Literal["sequential", "processes", "vectorized"] = "sequential"
+    workers: int | None = Field(None, ge=1, description="processes backend: worker count (default: cores)")
+    threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
+    precision: Literal["fp32", "bf16"] = "fp32"
+    channels_last: bool = Field(True, description="channels_last memory format for conv models")
+    data_dir: str | None = None
+    out_dir: str = "runs"
+    name: str | None = Field(None, description="run directory name (default: algorithm-dataset-timestamp)")
+    checkpoint_every: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check_algorithm_sections(self) -> "Config":
+        from pfedkit.algorithms import algorithm_names
+
+        names = algorithm_names()
+        if self.algorithm not in names:
+            raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r}; allowed: {', '.join(names)}")
+        for key in self.model_extra or {}:
+            if key not in names:
+                allowed = ", ".join(sorted(Config.model_fields))
+                raise ValueError(f"{key}: unknown key; allowed keys: {allowed}, or an algorithm section")
+        return self
+
+    def hyper(self, algorithm: str | None = None) -> BaseModel:
+        """The validated hyperparameters of `algorithm` (default: the run's algorithm)."""
+        from pfedkit.algorithms import get_algorithm
+
+        name = algorithm or self.algorithm
+        section = (self.model_extra or {}).get(name) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{name}: expected a mapping of hyperparameters, got {section!r}")
+        try:
+            return get_algorithm(name).Hyper(**section)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err, prefix=name)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        for name in self.model_extra or {}:
+            data[name] = self.hyper(name).model_dump(mode="json")
+        if self.algorithm not in data:
+            data[self.algorithm] = self.hyper().model_dump(mode="json")
+        return data
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`a.b=1` strings -> nested dict; values parsed as YAML scalars (1 -> int, true -> bool)."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. lr=0.01 or fedprox.mu=0.1)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node = tree
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(source: str | Path | dict[str, Any] | None = None,
+                overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Build a validated Config from a YAML path or dict, plus overrides. Raises ConfigError."""
+    data = _read_source(source)
+    extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    data = deep_merge(data, extra)
+    try:
+        config = Config(**data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+    config.hyper()  # validate the algorithm section now, not mid-run
+    for name in config.model_extra or {}:
+        config.hyper(name)
+    check_against_dataset(config)
+    return config
+
+
+def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return dict(source)
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    return data
+
+
+def check_against_dataset(config: Config) -> None:
+    """Checks that need the dataset's size and class count (read from metadata, no loading)."""
+    from pfedkit.data.datasets import DATASETS
+    from pfedkit.models import model_names
+
+    if config.dataset not in DATASETS:
+        raise ConfigError(f"dataset: unknown dataset {config.dataset!r}; allowed: {', '.join(DATASETS)}")
+    info = DATASETS[config.dataset]
+    if config.model != "auto" and config.model not in model_names():
+        raise ConfigError(f"model: unknown model {config.model!r}; allowed: auto, {', '.join(model_names())}")
+    part = config.partition
+    if part.scheme == "pathological" and part.classes_per_client > info.num_classes:
+        raise ConfigError(f"partition.classes_per_client: {part.classes_per_client} is more than the "
+                          f"{info.num_classes} classes of {config.dataset}; allowed: 1..{info.num_classes}")
+    if part.scheme == "nway_kshot" and part.n > info.num_classes - 1:
+        raise ConfigError(f"partition.n: {part.n} ways needs at most {info.num_classes - 1} "
+                          f"for {config.dataset}; allowed: 2..{info.num_classes - 1}")
+    if config.num_clients > info.num_samples:
+        raise ConfigError(f"num_clients: {config.num_clients} clients but {config.dataset} has only "
+                          f"{info.num_samples} samples; allowed: 1..{info.num_samples}")
+
+
+def _format_validation_error(err: ValidationError, prefix: str | None = None) -> str:
+    messages = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(item["loc"]))
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            messages.append(f"{loc}: unknown key")
+        elif loc and not msg.startswith(loc.split(".")[-1] + ":"):
+            messages.append(f"{loc}: {msg} (got {item.get('input')!r})")
+        else:
+            messages.append(msg)
+    return "; ".join(messages)

@@ -1,0 +1,153 @@
+"""Dataset loaders: the embedded `digits` set and the offline image sets of `../shared/datasets/`.
+
+Every loader returns a `Dataset`: uint8-free float32 images normalised as the papers do
+(PFLlib: ToTensor then Normalize(0.5, 0.5) -> values in [-1, 1]), integer labels, and a boolean
+mask of the official test split. Image files are `<name>/<name>.npz.xz` (an xz-wrapped `.npz`
+with arrays x, y, test), checked against `SHA256SUMS` when the data directory has one, and
+decompressed once into a local cache so later runs skip the slow xz decoding.
+"""
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pfedkit.atomic import atomic_write_bytes
+
+
+class DataError(RuntimeError):
+    """A dataset file is missing, corrupt or unreadable; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    num_samples: int
+    embedded: bool
+    description: str
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo("digits", 10, (64,), 1797, True,
+                          "scikit-learn's bundled 8x8 handwritten digits (embedded default)"),
+    "mnist": DatasetInfo("mnist", 10, (1, 28, 28), 70000, False, "MNIST 28x28 grayscale digits"),
+    "fashion_mnist": DatasetInfo("fashion_mnist", 10, (1, 28, 28), 70000, False,
+                                 "Fashion-MNIST 28x28 grayscale clothing"),
+    "cifar10": DatasetInfo("cifar10", 10, (3, 32, 32), 59897, False,
+                           "CIFAR-10 32x32 colour (59,897 of 60,000 images)"),
+    "cifar100": DatasetInfo("cifar100", 100, (3, 32, 32), 60000, False,
+                            "CIFAR-100 32x32 colour (file not shipped yet)"),
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    x: np.ndarray          # float32, (N, C, H, W) or (N, D), normalised to [-1, 1]
+    y: np.ndarray          # int64 (N,)
+    official_test: np.ndarray  # bool (N,): True for the official test split
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return DATASETS[name]
+
+
+def resolve_data_dir(data_dir: str | None) -> Path | None:
+    """Config `data_dir` first, then the PFEDKIT_DATA environment variable."""
+    chosen = data_dir or os.environ.get("PFEDKIT_DATA")
+    return Path(chosen).expanduser() if chosen else None
+
+
+def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None = None) -> Dataset:
+    info = dataset_info(name)
+    if info.embedded:
+        return _load_digits()
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        raise DataError(f"dataset {name!r} needs a data directory: set data_dir=PATH or the "
+                        f"PFEDKIT_DATA environment variable to a folder holding {name}/{name}.npz.xz")
+    x, y, test = _read_npz(root, name, _cache_root(cache_dir))
+    return Dataset(name, _normalise_images(x), y.astype(np.int64), test.astype(bool), info.num_classes)
+
+
+def _load_digits() -> Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    # 16 grey levels -> [-1, 1], the same convention as the image sets.
+    x = (bunch.data.astype(np.float32) / 16.0 - 0.5) / 0.5
+    y = bunch.target.astype(np.int64)
+    # No official split exists: hold out a fixed, label-stratified quarter (every 4th sample of
+    # each class) so that "official test" partitions work on digits too.
+    test = np.zeros(len(y), dtype=bool)
+    for c in np.unique(y):
+        test[np.flatnonzero(y == c)[3::4]] = True
+    return Dataset("digits", x, y, test, 10)
+
+
+def _normalise_images(x: np.ndarray) -> np.ndarray:
+    """uint8 (N,H,W) or (N,H,W,C) -> float32 (N,C,H,W) in [-1, 1] (PFLlib's Normalize(0.5, 0.5))."""
+    if x.ndim == 3:
+        x = x[:, None, :, :]
+    else:
+        x = np.transpose(x, (0, 3, 1, 2))
+    out = x.astype(np.float32)
+    out /= 255.0
+    out -= 0.5
+    out /= 0.5
+    return np.ascontiguousarray(out)
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    chosen = cache_dir or os.environ.get("PFEDKIT_CACHE")
+    return Path(chosen) if chosen else Path.home() / ".cache" / "pfedkit"
+
+
+def _read_npz(root: Path, name: str, cache_root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    source = root / name / f"{name}.npz.xz"
+    if not source.is_file():
+        raise DataError(f"missing dataset file {source}: copy {name}/{name}.npz.xz into the data "
+                        f"directory (format: ../shared/datasets/README.md) or point data_dir elsewhere")
+    expected = _expected_checksum(root, f"{name}/{name}.npz.xz")
+    stat = source.stat()
+    cached = cache_root / f"{name}-{expected or f'{stat.st_size}-{int(stat.st_mtime)}'}.npz"
+    if not cached.is_file():
+        raw = source.read_bytes()
+        if expected is not None and hashlib.sha256(raw).hexdigest() != expected:
+            raise DataError(f"corrupt dataset file {source}: its SHA-256 does not match SHA256SUMS; "
+                            f"copy the file again from the original source")
+        try:
+            payload = lzma.decompress(raw)
+        except lzma.LZMAError as err:
+            raise DataError(f"corrupt dataset file {source}: xz decoding failed ({err}); copy it again") from err
+        atomic_write_bytes(cached, payload)
+    with np.load(cached) as arrays:
+        missing = {"x", "y", "test"} - set(arrays.files)
+        if missing:
+            raise DataError(f"dataset file {source} lacks arrays {sorted(missing)}; expected x, y, test")
+        return arrays["x"], arrays["y"], arrays["test"]
+
+
+def _expected_checksum(root: Path, relative: str) -> str | None:
+    sums = root / "SHA256SUMS"
+    if not sums.is_file():
+        return None
+    for line in sums.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("*") == relative:
+            return parts[0].lower()
+    return None
+

@@ -1,0 +1,93 @@
+"""FederatedData: the per-client train/test tensors of a run, built from a dataset and a partition.
+
+Which pool is partitioned and where test data come from follows settings.md §1.0:
+`per_client` merges the official splits into one pool and splits each client's share (75/25,
+stratified by default); `official_fraction` (DA-PFL) and `official_shots` (FedProto/pFedPM)
+partition the official training split and draw each client's test set from the official test split.
+The index arrays (into the dataset's rows) are what `partition.npz` stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pfedkit.algorithms.base import ClientData
+from pfedkit.config import Config
+from pfedkit.data.datasets import Dataset
+from pfedkit.data.partition import class_counts, partition, split_train_test, test_from_official
+
+
+@dataclass(frozen=True)
+class FederatedData:
+    dataset: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    train_index: list[np.ndarray]  # per client, rows of the dataset
+    test_index: list[np.ndarray]
+    clients: list[ClientData]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def train_counts(self) -> np.ndarray:
+        return np.stack([c.class_counts for c in self.clients])
+
+    def test_counts(self) -> np.ndarray:
+        return np.stack([np.bincount(c.y_test.numpy(), minlength=self.num_classes) for c in self.clients])
+
+    def partition_arrays(self) -> dict[str, np.ndarray]:
+        arrays: dict[str, np.ndarray] = {"num_clients": np.array(self.num_clients)}
+        for cid, (train, test) in enumerate(zip(self.train_index, self.test_index)):
+            arrays[f"train_{cid}"] = train
+            arrays[f"test_{cid}"] = test
+        return arrays
+
+
+def split_indices(config: Config, dataset: Dataset) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-client (train, test) row indices of `dataset` for the config's partition."""
+    part = config.partition
+    mode = part.resolved_test_split()
+    params = part.scheme_params()
+    y = dataset.y
+    if mode == "per_client":
+        pool = np.arange(len(y))
+        shares = partition(y[pool], part.scheme, config.num_clients, config.seed, **params)
+        pairs = [split_train_test(pool[s], y, part.train_ratio, config.seed, cid, part.stratified)
+                 for cid, s in enumerate(shares)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    train_pool = np.flatnonzero(~dataset.official_test)
+    test_pool = np.flatnonzero(dataset.official_test)
+    shares = partition(y[train_pool], part.scheme, config.num_clients, config.seed, **params)
+    extra = {"fraction": part.test_fraction} if mode == "official_fraction" else {"shots": part.test_shots}
+    tests = test_from_official(shares, y[train_pool], y[test_pool], config.seed, **extra)
+    return [train_pool[s] for s in shares], [test_pool[t] for t in tests]
+
+
+def build_federated(config: Config, dataset: Dataset, channels_last: bool = False) -> FederatedData:
+    train_index, test_index = split_indices(config, dataset)
+    return assemble(dataset, train_index, test_index, channels_last)
+
+
+def assemble(dataset: Dataset, train_index: list[np.ndarray], test_index: list[np.ndarray],
+             channels_last: bool = False) -> FederatedData:
+    """Gather each client's rows into its own tensors (one copy of the data in total)."""
+    x = torch.from_numpy(dataset.x)
+    y = torch.from_numpy(dataset.y)
+    counts = class_counts([np.asarray(t) for t in train_index], dataset.y, dataset.num_classes)
+
+    def rows(index: np.ndarray) -> torch.Tensor:
+        out = x[torch.from_numpy(np.asarray(index, dtype=np.int64))]
+        return out.contiguous(memory_format=torch.channels_last) if channels_last and out.dim() == 4 else out
+
+    clients = [ClientData(cid, rows(tr), y[torch.from_numpy(tr)], rows(te), y[torch.from_numpy(te)], counts[cid])
+               for cid, (tr, te) in enumerate(zip(train_index, test_index))]
+    return FederatedData(dataset.name, dataset.num_classes, dataset.input_shape,
+                         list(train_index), list(test_index), clients)
+
+
+def load_partition(arrays: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    count = int(arrays["num_clients"])
+    return [arrays[f"train_{c}"] for c in range(count)], [arrays[f"test_{c}"] for c in range(count)]

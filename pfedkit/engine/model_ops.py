@@ -1,0 +1,49 @@
+"""Functional use of the run's model: forward any parameter dict without owning a module.
+
+Server-side math (FedReMa's probe, cwFedAvg's head norms, feature statistics) and evaluation call
+these with plain `Params`; the template module is never trained.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from pfedkit.algorithms.params import Params, clone
+
+
+class ModelOps:
+    def __init__(self, build: Callable[[], nn.Module]) -> None:
+        self.build = build
+        self.template = build().eval()
+        self.buffer_names = [name for name, _ in self.template.named_buffers()]
+
+    def initial_params(self) -> Params:
+        return clone(dict(self.template.named_parameters()))
+
+    def initial_buffers(self) -> Params | None:
+        buffers = dict(self.template.named_buffers())
+        return clone(buffers) if buffers else None
+
+    def _state(self, params: Params, buffers: Params | None) -> dict[str, torch.Tensor]:
+        state = dict(params)
+        if buffers:
+            state.update(buffers)
+        return state
+
+    @torch.no_grad()
+    def logits(self, params: Params, x: torch.Tensor, buffers: Params | None = None) -> torch.Tensor:
+        return functional_call(self.template, self._state(params, buffers), (x,))
+
+    @torch.no_grad()
+    def features(self, params: Params, x: torch.Tensor, buffers: Params | None = None) -> torch.Tensor:
+        state = self._state(params, buffers)
+        body_state = {k[len("body."):]: v for k, v in state.items() if k.startswith("body.")}
+        return functional_call(self.template.body, body_state, (x,))
+
+    @torch.no_grad()
+    def head_logits(self, params: Params, features: torch.Tensor) -> torch.Tensor:
+        head_state = {k[len("head."):]: v for k, v in params.items() if k.startswith("head.")}
+        return functional_call(self.template.head, head_state, (features,))

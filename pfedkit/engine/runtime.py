@@ -1,0 +1,64 @@
+"""Runtimes answer a round's training requests and evaluate clients; the sequential one is the
+reference. Every runtime has the same two methods, so the round loop never knows which runs:
+
+    fit_many(jobs) -> {cid: FitOutcome}          # all participants' pending Fit requests
+    evaluate_many(items) -> {cid: ClientEval}    # (cid, params, buffers) per client
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pfedkit.algorithms.params import Params
+from pfedkit.data.federated import FederatedData
+from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
+from pfedkit.evaluation import ClientEval, evaluate_logits_fn
+
+EvalItem = tuple[int, Params, Params | None]
+
+
+class ModelEvaluator:
+    """Evaluates parameter sets with one reusable module in eval mode."""
+
+    def __init__(self, build: Callable[[], nn.Module], num_classes: int) -> None:
+        self.model = build().eval()
+        self.parameters = dict(self.model.named_parameters())
+        self.buffers = dict(self.model.named_buffers())
+        self.num_classes = num_classes
+
+    @torch.no_grad()
+    def evaluate(self, params: Params, buffers: Params | None, x: torch.Tensor, y: torch.Tensor) -> ClientEval:
+        for name, tensor in self.parameters.items():
+            tensor.copy_(params[name])
+        for name, tensor in (buffers or {}).items():
+            self.buffers[name].copy_(tensor)
+        return evaluate_logits_fn(self.model, x, y, self.num_classes)
+
+
+class SequentialRuntime:
+    """One client after another in this process, with `threads` torch threads."""
+    name = "sequential"
+
+    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
+                 threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.trainer = LocalTrainer(build, settings)
+        self.evaluator = ModelEvaluator(build, data.num_classes)
+        self.data = data
+
+    def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+        return {job.cid: self.trainer.fit(job, self.data.clients[job.cid].x_train,
+                                          self.data.clients[job.cid].y_train) for job in jobs}
+
+    def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
+        out = {}
+        for cid, params, buffers in items:
+            client = self.data.clients[cid]
+            out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test)
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,141 @@
+"""The round loop, in one place: sample, broadcast, client updates, aggregate, evaluate, checkpoint.
+
+Client updates are generators (see `pfedkit.algorithms.base`); `drive_clients` steps all of a
+round's participants in lock-step and hands every pending `Fit` request of a step to the runtime
+at once, which is what lets a runtime train them in parallel or as one batched computation.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pfedkit.algorithms.base import Algorithm, ClientUpdate, Message, message_bytes
+from pfedkit.data.federated import FederatedData
+from pfedkit.engine.seeds import sample_clients
+from pfedkit.engine.trainer import FitJob
+
+
+@dataclass
+class SimState:
+    """Everything a resumed run needs; checkpointed after rounds."""
+    round: int
+    server: Any
+    clients: list[Any]
+    buffers: list[Any]  # per-client BatchNorm statistics (None for models without buffers)
+    rows: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    class_correct: np.ndarray | None = None
+    class_total: np.ndarray | None = None
+    diagnostics: dict[str, dict[int, Any]] = field(default_factory=dict)  # what algorithms recorded
+
+
+@dataclass
+class RoundReport:
+    round: int
+    participants: list[int]
+    acc_weighted: float | None
+    train_seconds: float
+    eval_seconds: float
+
+
+def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: list[Any]) -> tuple[dict[int, Any], dict[int, Message], dict[int, dict]]:
+    """Run every participant's client_update to completion; returns states, replies, train stats."""
+    states, replies, stats = {}, {}, {cid: {"loss": 0.0, "steps": 0} for cid in updates}
+    pending, counts = {}, {cid: 0 for cid in updates}
+
+    def advance(cid: int, value: Any, first: bool) -> None:
+        try:
+            pending[cid] = next(updates[cid]) if first else updates[cid].send(value)
+        except StopIteration as stop:
+            states[cid], replies[cid] = _check_result(cid, stop.value)
+
+    for cid in updates:
+        advance(cid, None, True)
+    while pending:
+        jobs = [FitJob(rnd, cid, counts[cid], request, buffers[cid]) for cid, request in sorted(pending.items())]
+        outcomes = runtime.fit_many(jobs)
+        pending = {}
+        for job in jobs:
+            outcome = outcomes[job.cid]
+            buffers[job.cid] = outcome.buffers
+            counts[job.cid] += 1
+            stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
+            stats[job.cid]["steps"] += outcome.steps
+            advance(job.cid, outcome.params, False)
+    return states, replies, stats
+
+
+def _check_result(cid: int, value: Any) -> tuple[Any, Message]:
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+        raise TypeError(f"client_update of client {cid} must return (client_state, message_dict)")
+    return value
+
+
+class Simulation:
+    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
+                 join_ratio: float, eval_every: int) -> None:
+        self.algorithm, self.data, self.runtime = algorithm, data, runtime
+        self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
+
+    def initial_state(self, params, buffers) -> SimState:
+        algo = self.algorithm
+        clients = [algo.init_client(cid, params) for cid in range(self.data.num_clients)]
+        return SimState(0, algo.init_server(params), clients, [buffers] * self.data.num_clients)
+
+    def run_round(self, state: SimState) -> RoundReport:
+        rnd = state.round + 1
+        algo, n = self.algorithm, self.data.num_clients
+        algo.diagnostics = state.diagnostics
+        started = time.perf_counter()
+        cids = sample_clients(self.seed, rnd, n, self.join_ratio)
+        messages = algo.broadcast(rnd, state.server, cids)
+        updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
+                                           self.data.clients[cid]) for cid in cids}
+        new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers)
+        for cid, client_state in new_states.items():
+            state.clients[cid] = client_state
+        state.server = algo.aggregate(rnd, state.server, replies)
+        trained = time.perf_counter()
+        evals = self._evaluate(state) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
+        evaluated = time.perf_counter()
+        state.rows.extend(self._rows(rnd, cids, messages, replies, stats, evals))
+        state.round = rnd
+        state.seconds += evaluated - started
+        weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
+                    if evals else None)
+        return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained)
+
+    def _evaluate(self, state: SimState):
+        algo = self.algorithm
+        items = [(cid, algo.client_model(cid, state.server, state.clients[cid]), state.buffers[cid])
+                 for cid in range(self.data.num_clients)]
+        evals = self.runtime.evaluate_many(items)
+        state.class_correct = np.stack([evals[c].class_correct for c in range(len(items))])
+        state.class_total = np.stack([evals[c].class_total for c in range(len(items))])
+        return evals
+
+    def _rows(self, rnd, cids, messages, replies, stats, evals) -> list[dict]:
+        rows, joined = [], set(cids)
+        for cid, client in enumerate(self.data.clients):
+            ev = evals.get(cid)
+            steps = stats[cid]["steps"] if cid in stats else 0
+            rows.append({
+                "round": rnd, "client": cid, "participated": int(cid in joined),
+                "n_train": client.n_train, "n_test": client.n_test,
+                "correct": ev.correct if ev else np.nan,
+                "accuracy": ev.accuracy if ev else np.nan,
+                "loss": ev.loss if ev else np.nan,
+                "balanced_acc": ev.balanced_accuracy if ev else np.nan,
+                "train_loss": stats[cid]["loss"] / steps if steps else np.nan,
+                "train_steps": steps,
+                "bytes_down": message_bytes(messages.get(cid)) if cid in joined else 0,
+                "bytes_up": message_bytes(replies.get(cid)) if cid in joined else 0,
+            })
+        return rows
+
+
+ProgressFn = Callable[[RoundReport], None]

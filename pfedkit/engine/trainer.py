@@ -1,0 +1,142 @@
+"""Local training, the reference implementation: one client's `Fit` request at a time.
+
+A `LocalTrainer` owns one model instance and reuses it for every request: parameters are copied
+in, trained with SGD on mini-batches drawn from a generator seeded by
+(seed, round, client, "fit", request index), and copied out. Data are in-memory tensors, so a
+mini-batch is one index gather; no DataLoader.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pfedkit.algorithms.base import Fit, Forward
+from pfedkit.algorithms.params import Params
+from pfedkit.engine.seeds import torch_generator
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The optimiser settings of a run (from the config)."""
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    drop_last: bool = False
+    precision: str = "fp32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FitJob:
+    """One client's pending request, as a runtime receives it."""
+    rnd: int
+    cid: int
+    index: int  # how many Fit requests this client already made this round
+    request: Fit
+    buffers: Params | None
+
+
+@dataclass
+class FitOutcome:
+    params: Params
+    buffers: Params | None
+    mean_loss: float
+    steps: int
+
+
+def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Generator) -> list[torch.Tensor]:
+    """One epoch's mini-batch index tensors, from a seeded permutation."""
+    order = torch.randperm(n, generator=generator)
+    stop = n - n % batch_size if drop_last else n
+    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
+
+
+class LocalTrainer:
+    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings) -> None:
+        self.model = build()
+        self.settings = settings
+        self.parameters = dict(self.model.named_parameters())
+        self.buffers = dict(self.model.named_buffers())
+
+    def fit(self, job: FitJob, x: torch.Tensor, y: torch.Tensor) -> FitOutcome:
+        request, s = job.request, self.settings
+        self._load(request.params, job.buffers)
+        trainable = self._set_trainable(request.trainable)
+        optimizer = torch.optim.SGD(trainable, lr=request.lr or s.lr, momentum=s.momentum,
+                                    weight_decay=s.weight_decay, foreach=True)
+        generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
+        self.model.train()
+        total, steps = 0.0, 0
+        for batch in self._batches(request, len(y), generator):
+            loss = self._step(request, optimizer, trainable, x[batch], y[batch])
+            total += loss
+            steps += 1
+        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps)
+
+    def _batches(self, request: Fit, n: int, generator: torch.Generator):
+        """Mini-batches for `request.epochs` epochs, or exactly `request.steps` batches."""
+        s = self.settings
+        epochs = request.epochs or s.local_epochs
+        produced, epoch = 0, 0
+        while request.steps is not None or epoch < epochs:
+            batches = batch_order(n, s.batch_size, s.drop_last, generator)
+            if not batches:
+                return  # fewer samples than one batch with drop_last: nothing to train on
+            for batch in batches:
+                if request.steps is not None and produced == request.steps:
+                    return
+                produced += 1
+                yield batch
+            epoch += 1
+
+    def _step(self, request: Fit, optimizer, trainable, xb, yb) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        with self._precision():
+            features = self.model.body(xb)
+            logits = self.model.head(features)
+        out = Forward(features.float(), logits.float())
+        loss = request.loss(out, yb, self.parameters, request.context)
+        loss.backward()
+        if self.settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, self.settings.grad_clip, foreach=True)
+        optimizer.step()
+        return float(loss.detach())
+
+    def _precision(self):
+        if self.settings.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _load(self, params: Params, buffers: Params | None) -> None:
+        missing = set(self.parameters) - set(params)
+        if missing:
+            raise KeyError(f"Fit params lack {sorted(missing)[:3]}...: pass a full parameter dict")
+        for name, tensor in self.parameters.items():
+            tensor.copy_(params[name])
+        for name, tensor in (buffers or {}).items():
+            self.buffers[name].copy_(tensor)
+
+    def _set_trainable(self, part: str) -> list[torch.Tensor]:
+        chosen = []
+        for name, tensor in self.parameters.items():
+            train = part == "all" or name.startswith(part + ".")
+            tensor.requires_grad_(train)
+            if train:
+                chosen.append(tensor)
+        return chosen
+
+    def _params_out(self) -> Params:
+        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in self.parameters.items()}
+
+    def _buffers_out(self) -> Params | None:
+        if not self.buffers:
+            return None
+        return {name: t.detach().clone() for name, t in self.buffers.items()}

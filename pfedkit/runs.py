@@ -1,0 +1,184 @@
+"""`pfedkit.run(config) -> Result`: a whole run, recorded in its run directory.
+
+Run directory (one per run under `out_dir`):
+    config.yaml      resolved configuration
+    partition.npz    per-client train/test row indices (train_<cid>, test_<cid>)
+    metrics.csv      one row per (round, client)
+    summary.json     headline numbers (see pfedkit.evaluation.summarize)
+    checkpoints/latest.pt   everything needed to resume (server, clients, metrics so far)
+Every file is written atomically; `run(resume=DIR)` continues a killed run and ends with metrics
+identical to an uninterrupted run, because all randomness is derived from (seed, round, client,
+purpose) and the checkpoint holds the whole simulation state.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import yaml
+from tqdm import tqdm
+
+from pfedkit.algorithms import get_algorithm
+from pfedkit.algorithms.base import Setup
+from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_text
+from pfedkit.config import Config, ConfigError, load_config
+from pfedkit.data.datasets import load_dataset
+from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
+from pfedkit.engine.model_ops import ModelOps
+from pfedkit.engine.runtime import SequentialRuntime
+from pfedkit.engine.seeds import SERVER, derive_seed
+from pfedkit.engine.simulate import SimState, Simulation
+from pfedkit.engine.trainer import TrainSettings
+from pfedkit.evaluation import summarize
+from pfedkit.models import build_model, default_model
+
+CHECKPOINT = "checkpoints/latest.pt"
+
+
+@dataclass
+class Result:
+    summary: dict[str, Any]
+    metrics: pd.DataFrame
+    run_dir: Path
+
+
+def run(config: str | Path | dict | Config | None = None, overrides: list[str] | dict | None = None, *,
+        resume: str | Path | None = None, quiet: bool = True) -> Result:
+    """Run (or resume) one federated simulation; returns its summary and per-(round, client) metrics."""
+    if resume is not None:
+        run_dir = Path(resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory")
+        config = load_config(run_dir / "config.yaml")
+    elif not isinstance(config, Config):
+        config = load_config(config, overrides)
+    context = prepare(config, resume_dir=Path(resume) if resume else None)
+    run_dir = Path(resume) if resume else create_run_dir(config)
+    if resume is None:
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+        atomic_savez(run_dir / "partition.npz", **context.data.partition_arrays())
+    return execute(config, context, run_dir, quiet=quiet)
+
+
+@dataclass
+class Prepared:
+    data: FederatedData
+    simulation: Simulation
+    state: SimState
+    runtime: Any
+
+
+def model_name(config: Config) -> str:
+    return default_model(config.dataset) if config.model == "auto" else config.model
+
+
+def model_builder(config: Config, input_shape, num_classes: int, head: str, channels_last: bool):
+    name = model_name(config)
+
+    def build():
+        # Every instance starts from the same seeded weights; the global RNG is left untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(config.seed, 0, SERVER, "model-init"))
+            model = build_model(name, tuple(input_shape), num_classes, head=head, **config.model_options)
+        return model.to(memory_format=torch.channels_last) if channels_last else model
+    return build
+
+
+def uses_channels_last(config: Config, input_shape) -> bool:
+    return config.channels_last and len(input_shape) == 3
+
+
+def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
+    """Load data, partition, build model, algorithm, runtime and the (initial or resumed) state."""
+    dataset = load_dataset(config.dataset, config.data_dir)
+    channels_last = uses_channels_last(config, dataset.input_shape)
+    if resume_dir is not None:
+        with np.load(resume_dir / "partition.npz") as saved:
+            train_index, test_index = load_partition(dict(saved))
+        data = assemble(dataset, train_index, test_index, channels_last)
+    else:
+        data = build_federated(config, dataset, channels_last)
+    algo_cls = get_algorithm(config.algorithm)
+    build = model_builder(config, data.input_shape, data.num_classes, algo_cls.head, channels_last)
+    ops = ModelOps(build)
+    setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops)
+    algorithm = algo_cls(config.hyper(), setup)
+    runtime = make_runtime(config, build, data)
+    simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
+                            join_ratio=config.join_ratio, eval_every=config.eval_every)
+    if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
+        state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
+    else:
+        state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
+    return Prepared(data, simulation, state, runtime)
+
+
+def train_settings(config: Config) -> TrainSettings:
+    return TrainSettings(config.local_epochs, config.batch_size, config.lr, config.momentum,
+                         config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed)
+
+
+def make_runtime(config: Config, build, data: FederatedData):
+    settings = train_settings(config)
+    if config.backend == "sequential":
+        return SequentialRuntime(build, settings, data, threads=config.threads)
+    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential")
+
+
+def create_run_dir(config: Config) -> Path:
+    out = Path(config.out_dir)
+    base = config.name or f"{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+    candidate, suffix = out / base, 1
+    while candidate.exists():
+        suffix += 1
+        candidate = out / f"{base}-{suffix}"
+    (candidate / "checkpoints").mkdir(parents=True)
+    return candidate
+
+
+def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True) -> Result:
+    sim, state = context.simulation, context.state
+    bar = tqdm(total=config.rounds, initial=state.round, disable=quiet, unit="round",
+               desc=f"{config.algorithm} {config.dataset}", dynamic_ncols=True)
+    try:
+        while state.round < config.rounds:
+            report = sim.run_round(state)
+            if report.acc_weighted is not None:
+                bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
+            bar.update(1)
+            if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
+                save_progress(run_dir, state, config, context.data)
+    finally:
+        bar.close()
+        context.runtime.close()
+    metrics = pd.DataFrame(state.rows)
+    return Result(finish_summary(run_dir, state, config, context.data), metrics, run_dir)
+
+
+def save_progress(run_dir: Path, state: SimState, config: Config, data: FederatedData) -> None:
+    """Metrics first, then the checkpoint: a kill between them only repeats a round on resume."""
+    metrics = pd.DataFrame(state.rows)
+    atomic_write_text(run_dir / "metrics.csv", metrics.to_csv(index=False))
+    atomic_torch_save(run_dir / CHECKPOINT, state)
+    if state.diagnostics:
+        atomic_torch_save(run_dir / "diagnostics.pt", state.diagnostics)
+
+
+def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData) -> dict[str, Any]:
+    metrics = pd.DataFrame(state.rows)
+    summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
+                        class_correct=state.class_correct, class_total=state.class_total,
+                        train_counts=data.train_counts())
+    summary.update({"model": model_name(config), "num_clients": config.num_clients,
+                    "partition": config.partition.scheme, "backend": config.backend,
+                    "seconds": round(state.seconds, 3),
+                    "sec_per_round": round(state.seconds / max(1, state.round), 4),
+                    "run_dir": str(run_dir)})
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
