@@ -120,6 +120,13 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from pfedkit.bench import format_bench, run_bench
+
+    print(format_bench(run_bench(ns)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pfedkit", description="Personalized federated learning simulations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_report = sub.add_parser("report", help="plots of a run: accuracy curves and the algorithm's diagnostics")
     p_report.add_argument("run_dir", help="a run directory")
     p_report.set_defaults(func=cmd_report)
+
+    p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
+    p_bench.add_argument("--rounds", type=int, default=3)
+    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized"])
+    p_bench.add_argument("--workers", type=int, default=None)
+    p_bench.add_argument("--clients", type=int, default=20)
+    p_bench.add_argument("--dataset", default="mnist")
+    p_bench.add_argument("--data-dir", default=None, help="default: $PFEDKIT_DATA")
+    p_bench.add_argument("--algorithm", default="fedavg")
+    p_bench.add_argument("--alpha", type=float, default=0.1)
+    p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p_bench.set_defaults(func=cmd_bench)
 
     p_data = sub.add_parser("data", help="dataset tools")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)

@@ -119,9 +119,10 @@ class Config(BaseModel):
         if not isinstance(section, dict):
             raise ConfigError(f"{name}: expected a mapping of hyperparameters, got {section!r}")
         try:
-            return get_algorithm(name).Hyper(**section)
+            hyper_cls = get_algorithm(name).Hyper
+            return hyper_cls(**section)
         except ValidationError as err:
-            raise ConfigError(_format_validation_error(err, prefix=name)) from None
+            raise ConfigError(_format_validation_error(err, prefix=name, allowed=list(hyper_cls.model_fields))) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
@@ -216,13 +217,15 @@ def check_against_dataset(config: Config) -> None:
                           f"{info.num_samples} samples; allowed: 1..{info.num_samples}")
 
 
-def _format_validation_error(err: ValidationError, prefix: str | None = None) -> str:
+def _format_validation_error(err: ValidationError, prefix: str | None = None,
+                             allowed: list[str] | None = None) -> str:
     messages = []
     for item in err.errors():
         loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(item["loc"]))
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            messages.append(f"{loc}: unknown key")
+            keys = allowed if prefix else list(PartitionConfig.model_fields)
+            messages.append(f"{loc}: unknown key; allowed: {', '.join(keys) or 'none'}")
         elif loc and not msg.startswith(loc.split(".")[-1] + ":"):
             messages.append(f"{loc}: {msg} (got {item.get('input')!r})")
         else:

@@ -31,6 +31,7 @@ from pfedkit.config import Config, ConfigError, load_config
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.engine.processes import ProcessRuntime
 from pfedkit.engine.runtime import SequentialRuntime
 from pfedkit.engine.seeds import SERVER, derive_seed
 from pfedkit.engine.simulate import SimState, Simulation
@@ -128,7 +129,9 @@ def make_runtime(config: Config, build, data: FederatedData):
     settings = train_settings(config)
     if config.backend == "sequential":
         return SequentialRuntime(build, settings, data, threads=config.threads)
-    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential")
+    if config.backend == "processes":
+        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads)
+    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential, processes")
 
 
 def create_run_dir(config: Config) -> Path:

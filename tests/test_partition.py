@@ -22,7 +22,8 @@ TEST_CLASS_SIZES = [98, 113, 103, 101, 98, 89, 96, 103, 97, 101]
 
 
 def shuffled_labels(class_sizes, seed=0):
-    return np.random.default_rng(seed).permutation(np.repeat(np.arange(len(class_sizes)), class_sizes))
+    labels = np.repeat(np.arange(len(class_sizes)), class_sizes)
+    return np.random.default_rng(seed).permutation(labels)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,8 @@ def test_dirichlet_respects_explicit_least(labels):
 
 
 def test_dirichlet_small_alpha_makes_clients_nearly_single_class(labels):
-    assert max_class_share(partition(labels, "dirichlet", 20, seed=0, alpha=0.1), labels).mean() > 0.6
+    parts = partition(labels, "dirichlet", 20, seed=0, alpha=0.1)
+    assert max_class_share(parts, labels).mean() > 0.6
 
 
 def test_dirichlet_large_alpha_is_near_uniform(labels):
@@ -204,7 +206,7 @@ def test_dirichlet_client_fills_from_other_classes_when_a_class_runs_out():
 
 
 def test_shards_give_equal_sizes_and_at_most_s_classes_when_shards_align():
-    labels = shuffled_labels([300] * 10)  # 3000 samples, 20 shards of 150: no shard spans two classes
+    labels = shuffled_labels([300] * 10)  # 20 shards of 150: no shard spans two classes
     parts = partition(labels, "shards", 10, seed=0, shards_per_client=2)
     assert [len(p) for p in parts] == [300] * 10
     assert all(len(c) <= 2 for c in classes_of(parts, labels))
@@ -278,7 +280,8 @@ def test_stratified_split_rounds_half_up_and_keeps_singletons_in_train():
 
 def test_unstratified_split_takes_floor_of_ratio_for_train():
     labels = np.zeros(110, dtype=np.int64)
-    train, test = split_train_test(np.arange(100, 110), labels, 0.75, seed=0, client=0, stratified=False)
+    train, test = split_train_test(np.arange(100, 110), labels, 0.75, seed=0, client=0,
+                                   stratified=False)
     assert (len(train), len(test)) == (7, 3)
 
 
@@ -311,7 +314,8 @@ def test_official_fraction_takes_rounded_tenth_of_each_class(official):
 
 
 def test_official_shots_takes_that_many_of_each_held_class():
-    train_labels, test_labels = shuffled_labels(TRAIN_CLASS_SIZES), shuffled_labels(TEST_CLASS_SIZES)
+    train_labels = shuffled_labels(TRAIN_CLASS_SIZES)
+    test_labels = shuffled_labels(TEST_CLASS_SIZES)
     parts = partition(train_labels, "nway_kshot", 5, seed=0, n=3, k=20)
     tests = test_from_official(parts, train_labels, test_labels, seed=0, shots=15)
     held = class_counts(parts, train_labels, 10) > 0
@@ -398,6 +402,12 @@ def test_pathological_fails_when_a_class_cannot_be_shared():
     labels = shuffled_labels([3, 100])
     with pytest.raises(PartitionError, match="not enough samples of class 0"):
         partition(labels, "pathological", 8, seed=0, classes_per_client=2, balanced=True)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5])
+def test_bad_seed_is_named(labels, seed):
+    with pytest.raises(PartitionError, match="seed"):
+        partition(labels, "iid", 20, seed=seed)
 
 
 def test_bad_train_ratio_is_named(labels):

@@ -130,6 +130,14 @@ class Algorithm:
         """
         self.diagnostics.setdefault(key, {})[rnd] = value
 
+    def predict(self, cid: int, server: Any, client: Any, features: torch.Tensor) -> torch.Tensor | None:
+        """Logits from body features when the client does NOT predict with the model's own head
+        (FedProto's nearest prototype, R-pFedPM's relation scores). None: use the head."""
+        return None
+
+    def has_custom_predict(self) -> bool:
+        return type(self).predict is not Algorithm.predict
+
     @staticmethod
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
         """Draw this algorithm's diagnostics as PNGs into out_dir; returns the files written."""

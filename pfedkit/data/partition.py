@@ -6,7 +6,8 @@ keyword parameters against that function's signature (so a misspelt parameter fa
 of silently taking its default) and dispatches through ``_SCHEMES``.
 
 Rules shared by all schemes (settings.md, "General rules"):
-* randomness only from ``default_rng(SeedSequence([seed, crc32("partition")]))``, never global state;
+* randomness only from ``default_rng(SeedSequence([seed, crc32("partition")]))``, never from
+  global state;
 * classes are found by label (``_Pool.by_class``), never by fixed offsets, so unequal class sizes
   (MNIST's) are handled;
 * sampling within a class is without replacement and clients are disjoint; when a requirement cannot
@@ -53,7 +54,7 @@ class PartitionError(ValueError):
 
 
 def _purpose_key(purpose: str) -> int:
-    """Stable integer for a purpose name; CRC-32 because ``hash()`` of a str is salted per process."""
+    """Stable integer for a purpose name (CRC-32: ``hash()`` of a str is salted per process)."""
     return zlib.crc32(purpose.encode("utf-8"))
 
 
@@ -73,9 +74,13 @@ def _check_int(name: str, value, low: int, high: int | None = None, fix: str = "
     return int(value)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def _check_positive(name: str, value, fix: str) -> float:
     """Return ``value`` as float if it is a finite number > 0; else raise naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise PartitionError(f"{name} must be a number > 0 (got {value!r}). {fix}")
     if not (math.isfinite(value) and value > 0):
         raise PartitionError(f"{name} must be a finite number > 0 (got {value!r}). {fix}")
@@ -126,11 +131,13 @@ class _Pool:
         labels = np.asarray(labels)
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
             raise PartitionError(
-                f"labels must be a 1-D integer array (got shape {labels.shape}, dtype {labels.dtype}); "
+                f"labels must be a 1-D integer array (got shape {labels.shape}, "
+                f"dtype {labels.dtype}); "
                 "pass the class label of every sample in the pool, e.g. dataset.targets as int64."
             )
         if labels.size == 0:
-            raise PartitionError("labels is empty: there is nothing to partition; pass the pool's labels.")
+            raise PartitionError("labels is empty: there is nothing to partition; "
+                                 "pass the pool's labels.")
         classes, inverse = np.unique(labels, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         by_class = np.split(order, np.cumsum(np.bincount(inverse, minlength=len(classes)))[:-1])
@@ -146,7 +153,7 @@ class _Pool:
 
 
 class _Draws:
-    """Per-class shuffled queues consumed front to back: without replacement, disjoint across clients."""
+    """Per-class shuffled queues consumed front to back: no replacement, disjoint across clients."""
 
     def __init__(self, pool: _Pool, rng: np.random.Generator, fix: str):
         self._pool = pool
@@ -161,8 +168,8 @@ class _Draws:
         start = self._used[k]
         if start + count > len(self._queues[k]):
             raise PartitionError(
-                f"not enough samples of class {self._pool.classes[k]}: {count} more needed but only "
-                f"{len(self._queues[k]) - start} of {len(self._queues[k])} left. {self._fix}"
+                f"not enough samples of class {self._pool.classes[k]}: {count} more needed but "
+                f"only {len(self._queues[k]) - start} of {len(self._queues[k])} left. {self._fix}"
             )
         self._used[k] += count
         return self._queues[k][start : start + count]
@@ -185,16 +192,16 @@ def _iid(pool: _Pool, num_clients: int, rng, *, samples_per_client: int | None =
                       fix="Use None to split the whole pool.")
     if num_clients * size > pool.size:
         raise PartitionError(
-            f"iid needs num_clients * samples_per_client = {num_clients * size} samples but the pool "
-            f"has {pool.size}; lower samples_per_client to at most {pool.size // num_clients} or "
-            "use None to split the whole pool."
+            f"iid needs num_clients * samples_per_client = {num_clients * size} samples but the "
+            f"pool has {pool.size}; lower samples_per_client to at most "
+            f"{pool.size // num_clients} or use None to split the whole pool."
         )
     return np.split(order[: num_clients * size], num_clients)
 
 
 def _dirichlet(pool: _Pool, num_clients: int, rng, *, alpha: float, least: int | None = None,
                max_tries: int = 1000):
-    """§1.3 (PFLlib ``dir``): per-class Dir(α) proportions, redrawn until every client has ≥ least."""
+    """§1.3 (PFLlib ``dir``): per-class Dir(α) shares, redrawn until every client has ≥ least."""
     alpha = _check_positive("alpha", alpha, fix="Smaller alpha gives more label skew (e.g. 0.1); "
                                                  "large alpha (e.g. 100) is near-IID.")
     if least is None:
@@ -203,8 +210,9 @@ def _dirichlet(pool: _Pool, num_clients: int, rng, *, alpha: float, least: int |
     max_tries = _check_int("max_tries", max_tries, low=1)
     if least * num_clients > pool.size:
         raise PartitionError(
-            f"dirichlet cannot give each of {num_clients} clients least={least} samples from a pool "
-            f"of {pool.size}; lower least to at most {pool.size // num_clients} or use fewer clients."
+            f"dirichlet cannot give each of {num_clients} clients least={least} samples from a "
+            f"pool of {pool.size}; lower least to at most {pool.size // num_clients} or use fewer "
+            "clients."
         )
     smallest = 0
     for _ in range(max_tries):
@@ -246,8 +254,8 @@ def _dirichlet_client(pool: _Pool, num_clients: int, rng, *, alpha: float,
     size = _check_int("samples_per_client", size, low=1, fix="Use None for |pool| / num_clients.")
     if num_clients * size > pool.size:
         raise PartitionError(
-            f"dirichlet_client needs num_clients * samples_per_client = {num_clients * size} samples "
-            f"but the pool has {pool.size}; lower samples_per_client to at most "
+            f"dirichlet_client needs num_clients * samples_per_client = {num_clients * size} "
+            f"samples but the pool has {pool.size}; lower samples_per_client to at most "
             f"{pool.size // num_clients}."
         )
     draws = _Draws(pool, rng, fix="Lower samples_per_client.")
@@ -286,11 +294,12 @@ def _pathological(pool: _Pool, num_clients: int, rng, *, classes_per_client: int
     chunks: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for k, members in enumerate(pool.by_class):
         selected = np.flatnonzero(slots > 0)[:clients_per_class]
-        if len(selected) == 0:  # every slot is used: the remaining classes stay unused (§1.2 step 3)
+        if len(selected) == 0:  # all slots used: the remaining classes stay unused (§1.2 step 3)
             break
         counts = _pathological_counts(len(members), len(selected), least_share, balanced, rng,
                                       pool.classes[k])
-        for client, chunk in zip(selected, np.split(rng.permutation(members), np.cumsum(counts)[:-1])):
+        members = rng.permutation(members)  # [ours]; PFLlib keeps pool order
+        for client, chunk in zip(selected, np.split(members, np.cumsum(counts)[:-1])):
             chunks[client].append(chunk)
         slots[selected] -= 1
     return [_concat(c) for c in chunks]
@@ -298,7 +307,7 @@ def _pathological(pool: _Pool, num_clients: int, rng, *, classes_per_client: int
 
 def _pathological_counts(class_size: int, num_selected: int, least_share: float, balanced: bool,
                          rng, label) -> np.ndarray:
-    """§1.2 step 3: sizes of one class's chunks; all but the last fixed or drawn, the last the rest."""
+    """§1.2 step 3: one class's chunk sizes; all but the last fixed or drawn, the last the rest."""
     if class_size < num_selected:
         raise PartitionError(
             f"not enough samples of class {label}: {class_size} samples must be shared by "
@@ -314,9 +323,9 @@ def _pathological_counts(class_size: int, num_selected: int, least_share: float,
         low, high = math.floor(max(per / 10, least_share)), math.floor(per)
         if low >= high:
             raise PartitionError(
-                f"not enough samples of class {label} for unbalanced sizes: {class_size} samples over "
-                f"{num_selected} clients leaves an empty range [{low}, {high}) for the per-client "
-                "draw; use balanced=True, fewer clients or a smaller classes_per_client."
+                f"not enough samples of class {label} for unbalanced sizes: {class_size} samples "
+                f"over {num_selected} clients leaves an empty range [{low}, {high}) for the "
+                "per-client draw; use balanced=True, fewer clients or a smaller classes_per_client."
             )
         head = rng.integers(low, high, size=num_selected - 1)
     return np.append(head, class_size - head.sum())
@@ -352,9 +361,9 @@ def _group_dominant(pool: _Pool, num_clients: int, rng, *, s: float = 0.2,
     if num_classes < 3:
         raise PartitionError(f"group_dominant needs at least 3 classes (got {num_classes}): "
                              "each group has three labels.")
-    if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)) or not 0 <= s <= 1:
-        raise PartitionError(f"s must be a number in [0, 1] (got {s!r}); it is the IID share of each "
-                             "client's samples: 0 = only the group's labels, 1 = IID.")
+    if not _is_number(s) or not 0 <= s <= 1:
+        raise PartitionError(f"s must be a number in [0, 1] (got {s!r}); it is the IID share of "
+                             "each client's samples: 0 = only the group's labels, 1 = IID.")
     size = _check_int("samples_per_client", samples_per_client, low=1)
     iid_size = _floor(size * s)
     base_counts = _split_counts(iid_size, num_classes)
@@ -410,7 +419,7 @@ SCHEMES: tuple[str, ...] = tuple(_SCHEMES)
 
 
 def _scheme_parameters(scheme: str) -> dict[str, object]:
-    """Keyword-only parameters of a scheme and their defaults (``inspect.Parameter.empty``: required)."""
+    """Keyword-only parameters of a scheme and their defaults (``Parameter.empty``: required)."""
     signature = inspect.signature(_SCHEMES[scheme])
     return {name: p.default for name, p in signature.parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -435,7 +444,8 @@ def _check_scheme_params(scheme: str, params: dict) -> None:
 # Public API
 
 
-def partition(labels: np.ndarray, scheme: str, num_clients: int, seed: int, **params) -> list[np.ndarray]:
+def partition(labels: np.ndarray, scheme: str, num_clients: int, seed: int,
+              **params) -> list[np.ndarray]:
     """Disjoint index arrays (int64, sorted ascending) into `labels`, one per client (§1.1-§1.7).
 
     ``params`` are the scheme's keyword parameters (see ``_<scheme>`` in this module):
@@ -445,7 +455,8 @@ def partition(labels: np.ndarray, scheme: str, num_clients: int, seed: int, **pa
     nway_kshot(n=3, k=100, n_noise=1, k_noise=1).
     """
     if scheme not in _SCHEMES:
-        raise PartitionError(f"unknown partition scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}.")
+        raise PartitionError(f"unknown partition scheme {scheme!r}; "
+                             f"choose one of: {', '.join(SCHEMES)}.")
     pool = _Pool.of(labels)
     num_clients = _check_int(
         "num_clients", num_clients, low=1, high=pool.size,
@@ -466,8 +477,7 @@ def split_train_test(indices: np.ndarray, labels: np.ndarray, train_ratio: float
     sklearn's ``train_test_split(train_size=r)`` (PFLlib): ⌊r·m⌋ train, the rest test.
     ``labels`` is indexed by the values in ``indices``; randomness from (seed, client, "split").
     """
-    if isinstance(train_ratio, bool) or not isinstance(train_ratio, (int, float, np.floating)) \
-            or not 0 < train_ratio <= 1:
+    if not _is_number(train_ratio) or not 0 < train_ratio <= 1:
         raise PartitionError(f"train_ratio must be a number in (0, 1] (got {train_ratio!r}); "
                              "e.g. 0.75 (PFLlib) or 0.8 (FedReMa).")
     client = _check_int("client", client, low=0)
@@ -520,8 +530,9 @@ def test_from_official(train_parts: list[np.ndarray], train_labels: np.ndarray,
     the pool is reused with a warning [ours]. Randomness from (seed, "official_test").
     """
     if (fraction is None) == (shots is None):
-        raise PartitionError("test_from_official needs exactly one of fraction= (DA-PFL: e.g. 0.1 "
-                             "of each class's training count) or shots= (FedProto: e.g. 15 per class).")
+        raise PartitionError("test_from_official needs exactly one of fraction= (DA-PFL: e.g. "
+                             "0.1 of each class's training count) or shots= (FedProto: e.g. 15 "
+                             "per class).")
     if fraction is not None:
         fraction = _check_positive("fraction", fraction, fix="e.g. fraction=0.1 (DA-PFL).")
     else:
@@ -566,7 +577,8 @@ def class_counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) 
         own = labels[np.asarray(part, dtype=np.int64)]
         outside = own[(own < 0) | (own >= num_classes)]
         if outside.size:
-            raise PartitionError(f"client {client} holds label {outside[0]} outside [0, {num_classes}); "
-                                 "pass the dataset's number of classes as num_classes.")
+            raise PartitionError(f"client {client} holds label {outside[0]} outside "
+                                 f"[0, {num_classes}); pass the dataset's number of classes "
+                                 "as num_classes.")
         counts[client] = np.bincount(own, minlength=num_classes)
     return counts

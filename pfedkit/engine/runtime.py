@@ -16,7 +16,9 @@ from pfedkit.data.federated import FederatedData
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 
-EvalItem = tuple[int, Params, Params | None]
+# (cid, params, buffers, predict): predict maps body features to logits when the algorithm does
+# not use the model's head for prediction, else None.
+EvalItem = tuple[int, Params, Params | None, Callable[[torch.Tensor], torch.Tensor] | None]
 
 
 class ModelEvaluator:
@@ -29,12 +31,14 @@ class ModelEvaluator:
         self.num_classes = num_classes
 
     @torch.no_grad()
-    def evaluate(self, params: Params, buffers: Params | None, x: torch.Tensor, y: torch.Tensor) -> ClientEval:
+    def evaluate(self, params: Params, buffers: Params | None, x: torch.Tensor, y: torch.Tensor,
+                 predict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ClientEval:
         for name, tensor in self.parameters.items():
             tensor.copy_(params[name])
         for name, tensor in (buffers or {}).items():
             self.buffers[name].copy_(tensor)
-        return evaluate_logits_fn(self.model, x, y, self.num_classes)
+        logits_fn = self.model if predict is None else (lambda xb: predict(self.model.body(xb)))
+        return evaluate_logits_fn(logits_fn, x, y, self.num_classes)
 
 
 class SequentialRuntime:
@@ -55,9 +59,9 @@ class SequentialRuntime:
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         out = {}
-        for cid, params, buffers in items:
+        for cid, params, buffers, predict in items:
             client = self.data.clients[cid]
-            out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test)
+            out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
         return out
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ at once, which is what lets a runtime train them in parallel or as one batched c
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,11 +41,12 @@ class RoundReport:
     acc_weighted: float | None
     train_seconds: float
     eval_seconds: float
+    train_samples: int
 
 
 def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: list[Any]) -> tuple[dict[int, Any], dict[int, Message], dict[int, dict]]:
     """Run every participant's client_update to completion; returns states, replies, train stats."""
-    states, replies, stats = {}, {}, {cid: {"loss": 0.0, "steps": 0} for cid in updates}
+    states, replies, stats = {}, {}, {cid: {"loss": 0.0, "steps": 0, "samples": 0} for cid in updates}
     pending, counts = {}, {cid: 0 for cid in updates}
 
     def advance(cid: int, value: Any, first: bool) -> None:
@@ -65,6 +67,7 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: 
             counts[job.cid] += 1
             stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
             stats[job.cid]["steps"] += outcome.steps
+            stats[job.cid]["samples"] += outcome.samples
             advance(job.cid, outcome.params, False)
     return states, replies, stats
 
@@ -107,11 +110,14 @@ class Simulation:
         state.seconds += evaluated - started
         weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
                     if evals else None)
-        return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained)
+        samples = sum(s["samples"] for s in stats.values())
+        return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
 
     def _evaluate(self, state: SimState):
         algo = self.algorithm
-        items = [(cid, algo.client_model(cid, state.server, state.clients[cid]), state.buffers[cid])
+        custom = algo.has_custom_predict()
+        items = [(cid, algo.client_model(cid, state.server, state.clients[cid]), state.buffers[cid],
+                  partial(algo.predict, cid, state.server, state.clients[cid]) if custom else None)
                  for cid in range(self.data.num_clients)]
         evals = self.runtime.evaluate_many(items)
         state.class_correct = np.stack([evals[c].class_correct for c in range(len(items))])

@@ -49,6 +49,7 @@ class FitOutcome:
     buffers: Params | None
     mean_loss: float
     steps: int
+    samples: int  # training samples processed (for throughput figures)
 
 
 def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Generator) -> list[torch.Tensor]:
@@ -73,12 +74,12 @@ class LocalTrainer:
                                     weight_decay=s.weight_decay, foreach=True)
         generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
         self.model.train()
-        total, steps = 0.0, 0
+        total, steps, samples = 0.0, 0, 0
         for batch in self._batches(request, len(y), generator):
-            loss = self._step(request, optimizer, trainable, x[batch], y[batch])
-            total += loss
+            total += self._step(request, optimizer, trainable, x[batch], y[batch])
             steps += 1
-        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps)
+            samples += len(batch)
+        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples)
 
     def _batches(self, request: Fit, n: int, generator: torch.Generator):
         """Mini-batches for `request.epochs` epochs, or exactly `request.steps` batches."""

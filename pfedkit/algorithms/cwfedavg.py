@@ -1,0 +1,363 @@
+"""cwFedAvg with WDR (Lee & Choi, ICCV 2025): one FedAvg per class, mixed per client.
+
+Spec: shared/specs/seed-algorithms.md §3. The paper writes M clients and K classes; here N and C.
+
+* The server keeps C class-wise global models w_j^G (eq. 5-6): FedAvg of the round's uploads,
+  client i weighted by q_ij = p_i p~_ij / sum_i' p_i' p~_i'j, p_i = n_i / sum n.
+* Client i's personalised model is w_i^L = sum_j p~_ij w_j^G (eq. 7).
+* p~_i is never sent: the server reads it off the uploaded output layer, the normalised L2 norms
+  of its weight rows (eq. 4). WDR adds lambda ||p_i - p~_i(W_i)||_2 to the local loss (eq. 8) so
+  that this estimate follows the client's true class distribution p_i.
+* Variant "output" (the paper's headline, default): only the output layer (weight + bias) is
+  class-wise, every other layer is plain FedAvg. "all": every layer is class-wise. An integer L:
+  the last L layers (Table 3; 1 = output).
+
+Messages (spec §3.8, default mix_on="server"): down = the personalised model w_i^L (one model),
+up = the trained model + n_i, the same bytes as FedAvg. mix_on="client" reproduces the authors'
+code: the client downloads the shared layers and all C class-wise layers and mixes them itself.
+
+Server state: {"shared": FedAvg layers, "class_wise": list of C dicts of the class-wise layers,
+"class_dist": [N, C] the p~ (or p) the server last saw of each client, 1/C before any upload}.
+Client state: None with mix_on="server"; {"class_dist": [C]} (what it mixes with) otherwise.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
+                                     cross_entropy, register)
+from pfedkit.algorithms.params import Params, clone, weighted_mean
+
+
+# ---------------------------------------------------------------------------------------------
+# The math (pure functions)
+# ---------------------------------------------------------------------------------------------
+
+def estimate_class_distribution(head_weight: torch.Tensor) -> torch.Tensor:
+    """Eq. (4): p~_j = ||W_j||_2 / sum_k ||W_k||_2 over the rows of the output weight [C, d].
+
+    Bias excluded [code]. Differentiable (WDR uses it on live weights). A matrix of zeros gives
+    1/C for every class [ours]; written with `torch.where` so no NaN reaches the gradient.
+    """
+    if head_weight.dim() < 2:
+        raise ValueError(f"estimate_class_distribution expects the output weight [C, d], got shape "
+                         f"{tuple(head_weight.shape)}")
+    row_norms = torch.linalg.vector_norm(head_weight.reshape(head_weight.shape[0], -1), dim=1)
+    total = row_norms.sum()
+    positive = total > 0
+    safe_total = torch.where(positive, total, torch.ones_like(total))
+    uniform = torch.full_like(row_norms, 1.0 / row_norms.shape[0])
+    return torch.where(positive, row_norms / safe_total, uniform)
+
+
+def weight_distribution_regularizer(head_weight: torch.Tensor, class_distribution: torch.Tensor) -> torch.Tensor:
+    """Eq. (8): R_i = ||p_i - p~_i(W_i)||_2 (Euclidean norm, not squared)."""
+    target = class_distribution.to(head_weight.dtype)
+    return torch.linalg.vector_norm(target - estimate_class_distribution(head_weight))
+
+
+def wdr_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+             coefficient: float, output_weight: str) -> torch.Tensor:
+    """Local loss with WDR: CE + coefficient * R_i (coefficient = lambda, or lambda/2 [code]).
+
+    context["class_distribution"] = p_i, the client's empirical class distribution [C];
+    `output_weight` names the output layer's weight in `params` (the live parameters).
+    """
+    loss = cross_entropy(out, y, params, context)
+    if coefficient == 0:
+        return loss
+    return loss + coefficient * weight_distribution_regularizer(params[output_weight], context["class_distribution"])
+
+
+def class_wise_weights(class_dist: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. (6): q_ij = p_i p_ij / sum_i' p_i' p_i'j with p_i = n_i / sum_i' n_i'.
+
+    Returns (q [N, C], has_mass [C]); a class no client carries any mass for (sum = 0) has a
+    column of zeros and has_mass False. Every column with mass sums to 1.
+    """
+    class_dist = np.asarray(class_dist, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.float64).reshape(-1)
+    if class_dist.ndim != 2 or class_dist.shape[0] != sizes.shape[0]:
+        raise ValueError(f"class_dist must be [N, C] with N = len(sizes) = {sizes.shape[0]}, "
+                         f"got shape {class_dist.shape}")
+    if (class_dist < 0).any() or (sizes < 0).any():
+        raise ValueError("class distributions and sizes must be non-negative")
+    total = sizes.sum()
+    client_share = sizes / total if total > 0 else np.zeros_like(sizes)
+    mass = client_share[:, None] * class_dist
+    column = mass.sum(axis=0)
+    has_mass = column > 0
+    q = np.divide(mass, column[None, :], out=np.zeros_like(mass), where=has_mass[None, :])
+    return q, has_mass
+
+
+def class_wise_models(params: Sequence[Params], class_dist: np.ndarray, sizes: np.ndarray,
+                      previous: Sequence[Params] | None = None) -> list[Params]:
+    """Eq. (5)-(6): the C class-wise global models w_j^G = sum_i q_ij w_i.
+
+    params: the N uploaded state dicts (any common subset of layers); class_dist [N, C]: p~ (or
+    the empirical p) of each; sizes [N]: n_i. A class without mass keeps `previous[j]` [ours];
+    without `previous` that is an error.
+    """
+    if not params:
+        raise ValueError("class_wise_models needs at least one uploaded model")
+    q, has_mass = class_wise_weights(class_dist, sizes)
+    models = []
+    for j in range(q.shape[1]):
+        if has_mass[j]:
+            contributors = np.flatnonzero(q[:, j] > 0)
+            models.append(weighted_mean([params[i] for i in contributors], q[contributors, j]))
+        elif previous is not None:
+            models.append(previous[j])
+        else:
+            raise ValueError(f"class {j} has zero aggregation mass (no client carries it); pass "
+                             "previous= to keep its last model")
+    return models
+
+
+def personalised_model(class_models: Sequence[Params], class_dist: np.ndarray | torch.Tensor) -> Params:
+    """Eq. (7): w_i^L = sum_j p~_ij w_j^G, for one client's distribution [C] (sums to 1)."""
+    if isinstance(class_dist, torch.Tensor):
+        class_dist = class_dist.detach().cpu().numpy()
+    weights = np.asarray(class_dist, dtype=np.float64).reshape(-1)
+    if weights.shape[0] != len(class_models):
+        raise ValueError(f"{len(class_models)} class-wise models but a distribution over {weights.shape[0]} classes")
+    mixed: Params = {}
+    for name, first in class_models[0].items():
+        acc = torch.zeros_like(first)
+        for weight, model in zip(weights, class_models):
+            if weight != 0:
+                acc.add_(model[name], alpha=float(weight))
+        mixed[name] = acc
+    return mixed
+
+
+def empirical_distribution(class_counts: np.ndarray) -> np.ndarray:
+    """p_ij = n_ij / n_i (rows of zeros stay zero)."""
+    counts = np.asarray(class_counts, dtype=np.float64)
+    totals = counts.sum(axis=-1, keepdims=True)
+    return np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which layers are class-wise
+# ---------------------------------------------------------------------------------------------
+
+def layer_of(name: str) -> str:
+    """`head.fc.weight` -> `head.fc` (a layer = the parameters sharing a module prefix)."""
+    return name.rsplit(".", 1)[0]
+
+
+def output_weight_name(params: Params) -> str:
+    """Name of the output layer's weight: the last 2-D `head.*.weight` entry."""
+    names = [n for n, v in params.items() if n.startswith("head.") and n.endswith(".weight") and v.dim() >= 2]
+    if not names:
+        raise ValueError("cwfedavg needs an output Linear layer in the head (no 2-D head.*.weight found)")
+    return names[-1]
+
+
+def class_wise_names(params: Params, class_wise_layers: str | int) -> list[str]:
+    """Parameter names aggregated class-wise: the last L layers ("output" = 1, "all" = every one)."""
+    layers = list(dict.fromkeys(layer_of(n) for n in params))  # model order, unique
+    if class_wise_layers == "all":
+        chosen = set(layers)
+    else:
+        count = 1 if class_wise_layers == "output" else int(class_wise_layers)
+        if count > len(layers):
+            raise ValueError(f"cwfedavg.class_wise_layers={class_wise_layers}: the model has only "
+                             f"{len(layers)} layers with parameters ({', '.join(layers)}); use a "
+                             f"number up to {len(layers)} or 'all'")
+        chosen = set(layers[-count:])
+    if layer_of(output_weight_name(params)) not in chosen:
+        raise ValueError("cwfedavg: the class-wise layers must include the output layer")
+    return [n for n in params if layer_of(n) in chosen]
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithm
+# ---------------------------------------------------------------------------------------------
+
+@register
+class CwFedAvg(Algorithm):
+    name = "cwfedavg"
+    description = "cwFedAvg + WDR: class-wise FedAvg, personalised mix by estimated class distribution"
+    head = "last"
+
+    class Hyper(BaseModel):
+        """cwFedAvg hyperparameters (spec §3.7, §3.9).
+
+        class_wise_layers: "output" (headline variant, = 1), "all" (basic algorithm), or L = the
+            last L layers with parameters (Table 3).
+        wdr: add the Weight Distribution Regulariser to the local loss.
+        wdr_lambda: lambda (paper: 10 MNIST/CIFAR-10, 1000 CIFAR-100, 2000 Tiny ImageNet).
+        wdr_half_factor: apply 0.5 * lambda as the authors' code does (paper: lambda). The paper's
+            lambda values were tuned with the code, so reproduction runs should set it.
+        distribution: "approx" (p~ from the output weights, eq. 4) or "empirical" (true p_i, sent
+            by the client in its reply: C extra floats up; code -gt ablation).
+        empirical_from: counts behind p_i for WDR and distribution=empirical: "train" (spec) or
+            "train_and_test" (the code uses the client's whole data).
+        mix_on: "server" (paper: the server mixes eq. 7 with its stored p~ and sends one model) or
+            "client" (code: the client downloads all C class-wise layers + shared layers and mixes
+            with the p~ of its own last trained model).
+        initial_distribution: p~ before a client's first upload: "uniform" 1/C (paper) or
+            "initial_model" (eq. 4 on the initial weights, code).
+        """
+        model_config = ConfigDict(extra="forbid")
+        class_wise_layers: Literal["output", "all"] | PositiveInt = Field(
+            "output", description="'output', 'all', or the number of last layers aggregated class-wise")
+        wdr: bool = Field(True, description="use the Weight Distribution Regulariser")
+        wdr_lambda: float = Field(10.0, ge=0, description="WDR coefficient lambda")
+        wdr_half_factor: bool = Field(False, description="apply 0.5*lambda like the authors' code")
+        distribution: Literal["approx", "empirical"] = Field("approx", description="p~ (eq. 4) or true p")
+        empirical_from: Literal["train", "train_and_test"] = Field("train", description="counts behind p_i")
+        mix_on: Literal["server", "client"] = Field("server", description="who forms the eq. 7 mixture")
+        initial_distribution: Literal["uniform", "initial_model"] = Field("uniform", description="p~ before any upload")
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def wdr_coefficient(self) -> float:
+        if not self.h.wdr:
+            return 0.0
+        return 0.5 * self.h.wdr_lambda if self.h.wdr_half_factor else self.h.wdr_lambda
+
+    def starting_distribution(self, params: Params) -> torch.Tensor:
+        num_classes = self.setup.num_classes
+        if self.h.initial_distribution == "initial_model":
+            return estimate_class_distribution(params[output_weight_name(params)]).detach().double()
+        return torch.full((num_classes,), 1.0 / num_classes, dtype=torch.float64)
+
+    def client_distribution(self, data: ClientData) -> np.ndarray:
+        """p_i of the client, from its own counts (never leaves the client unless 'empirical')."""
+        counts = np.asarray(data.class_counts, dtype=np.float64)
+        if self.h.empirical_from == "train_and_test":
+            counts = counts + np.bincount(data.y_test.numpy(), minlength=counts.shape[0])
+        return empirical_distribution(counts)
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def init_server(self, params: Params) -> dict[str, Any]:
+        cw_names = class_wise_names(params, self.h.class_wise_layers)
+        class_part = {n: params[n] for n in cw_names}
+        start = self.starting_distribution(params)
+        return {
+            "shared": clone({n: v for n, v in params.items() if n not in class_part}),
+            "class_wise": [clone(class_part) for _ in range(self.setup.num_classes)],
+            "class_dist": start.repeat(self.setup.num_clients, 1),
+        }
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any] | None:
+        if self.h.mix_on == "server":
+            return None  # the client keeps nothing between rounds (spec §3.5)
+        return {"class_dist": self.starting_distribution(params)}
+
+    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
+        if self.h.mix_on == "client":
+            # the code sends every client all C class-wise layers plus the FedAvg layers
+            return {cid: {"shared": server["shared"], "class_wise": server["class_wise"]} for cid in cids}
+        return {cid: {"params": self.client_model(cid, server, None)} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
+        if self.h.mix_on == "client":
+            mixing = client["class_dist"]
+            if self.h.distribution == "empirical":
+                mixing = torch.as_tensor(self.client_distribution(data))
+            params = {**message["shared"], **personalised_model(message["class_wise"], mixing)}
+        else:
+            params = message["params"]
+        own_distribution = torch.as_tensor(self.client_distribution(data), dtype=torch.float32)
+        coefficient = self.wdr_coefficient()
+        loss = (partial(wdr_loss, coefficient=coefficient, output_weight=output_weight_name(params))
+                if coefficient > 0 else cross_entropy)
+        trained = yield Fit(params, loss=loss, context={"class_distribution": own_distribution})
+        reply: Message = {"params": trained, "weight": data.n_train}
+        if self.h.distribution == "empirical":
+            reply["class_distribution"] = own_distribution  # the server cannot know it otherwise
+        if self.h.mix_on == "server":
+            return None, reply
+        if self.h.distribution == "empirical":
+            next_mixing = own_distribution.double()
+        else:
+            next_mixing = estimate_class_distribution(trained[output_weight_name(trained)]).detach().double()
+        return {"class_dist": next_mixing}, reply
+
+    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
+        self.record_true_distribution(rnd)
+        cids = sorted(c for c in replies if replies[c]["weight"] > 0)  # n_i = 0 clients are excluded
+        if not cids:
+            return server
+        uploads = [replies[c]["params"] for c in cids]
+        sizes = np.array([float(replies[c]["weight"]) for c in cids])
+        out_name = output_weight_name(uploads[0])
+        estimated = np.stack([estimate_class_distribution(u[out_name]).double().numpy() for u in uploads])
+        if self.h.distribution == "empirical":
+            used = np.stack([np.asarray(replies[c]["class_distribution"], dtype=np.float64) for c in cids])
+        else:
+            used = estimated
+        cw_names = list(server["class_wise"][0])
+        class_models = class_wise_models([{n: u[n] for n in cw_names} for u in uploads], used, sizes,
+                                         previous=server["class_wise"])
+        shared_names = list(server["shared"])
+        shared = (weighted_mean([{n: u[n] for n in shared_names} for u in uploads], sizes)
+                  if shared_names else {})
+        class_dist = server["class_dist"].clone()
+        class_dist[cids] = torch.as_tensor(used, dtype=class_dist.dtype)
+        self.record_estimates(rnd, cids, estimated)
+        return {"shared": shared, "class_wise": class_models, "class_dist": class_dist}
+
+    def client_model(self, cid: int, server: dict, client: Any) -> Params:
+        mixing = client["class_dist"] if self.h.mix_on == "client" else server["class_dist"][cid]
+        return {**server["shared"], **personalised_model(server["class_wise"], mixing)}
+
+    # -- diagnostics ----------------------------------------------------------------------------
+
+    def record_true_distribution(self, rnd: int) -> None:
+        """The true training distribution, once, for comparison only (never used by the method)."""
+        if "true_class_distribution" not in self.diagnostics:
+            self.record(rnd, "true_class_distribution", empirical_distribution(self.setup.train_counts))
+
+    def record_estimates(self, rnd: int, cids: list[int], estimated: np.ndarray) -> None:
+        """p~ (eq. 4) of every participant's upload; NaN rows for clients that did not take part."""
+        table = np.full((self.setup.num_clients, self.setup.num_classes), np.nan)
+        table[cids] = estimated
+        self.record(rnd, "estimated_class_distribution", table)
+
+    @staticmethod
+    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
+        """Figure 3 analogue: true vs estimated class distribution per client, and the gap per round."""
+        from pfedkit.report.plots import heatmaps_side_by_side, lines
+
+        estimates = diagnostics.get("estimated_class_distribution", {})
+        truths = diagnostics.get("true_class_distribution", {})
+        if not estimates or not truths:
+            return []
+        true = np.asarray(next(iter(truths.values())), dtype=float)
+        rounds = sorted(estimates)
+        latest = latest_estimates(estimates, true.shape)
+        out_dir = Path(out_dir)
+        written = [heatmaps_side_by_side(
+            [true, latest], ["true p (training counts)", f"estimated p~ (eq. 4), last upload by round {rounds[-1]}"],
+            out_dir / "cwfedavg_class_distribution.png", "cwFedAvg: true vs estimated class distribution",
+            "class", "client")]
+        gaps = [np.linalg.norm(estimates[r] - true, axis=1) for r in rounds]
+        written.append(lines(rounds, {"mean over participants": [float(np.nanmean(g)) for g in gaps],
+                                      "worst participant": [float(np.nanmax(g)) for g in gaps]},
+                             out_dir / "cwfedavg_distribution_gap.png",
+                             "cwFedAvg: ||p - p~||_2 (the WDR term)", "round", "L2 distance"))
+        return written
+
+
+def latest_estimates(estimates: dict[int, np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """Each client's most recent p~; 1/C (the server's starting value) for never-seen clients."""
+    latest = np.full(shape, 1.0 / shape[1])
+    for rnd in sorted(estimates):
+        table = np.asarray(estimates[rnd], dtype=float)
+        seen = ~np.isnan(table).any(axis=1)
+        latest[seen] = table[seen]
+    return latest

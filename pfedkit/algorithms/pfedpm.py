@@ -1,0 +1,433 @@
+"""pFedPM and R-pFedPM (Xing et al., *Personalized federated learning based on feature fusion*,
+CSCWD 2024; seed spec §2). Every formula is [recon]: the paper's equations were lost, the spec
+rebuilt them from its prose, FedProto (Tan et al., AAAI 2022) and Relation Networks (Sung et al.,
+CVPR 2018). Equation numbers below are the paper's, as the spec numbers them.
+
+Clients never send weights. After local training each client uploads, per class it owns, the mean
+body output of that class (its local feature, eq. 6) and the class's sample count; the server
+averages them per class into global features (eq. 7) and sends all of them down. Before training,
+a client mixes its previous local feature with the received global one (eq. 8,
+`a * local + (1 - a) * global`) and trains with cross-entropy plus lambda * MSE between each
+sample's feature and the mixed feature of its class (eq. 9). pFedPM predicts with the model's own
+decision head (fc2).
+
+R-pFedPM ("rpfedpm") adds a relation module psi (pfedkit.models.relation) that scores
+(sample feature, class feature) pairs and predicts the best-scoring class (eqs. 12-13); class
+features are the mixed ones, or the global ones for classes without a mixed feature.
+
+How R-pFedPM's relation module is trained here (the engine's `Fit` trains only the engine model's
+parameters, and psi is not one of them):
+  1. `Fit` trains body + decision head on CE + lambda R + w * L_rel, with psi held fixed at its
+     value from the start of the round (passed in the Fit context), so the relation loss's
+     gradient reaches the body (spec default `relation_detach_body=False`). With
+     `relation_detach_body=True` the term is left out and the body never sees it.
+  2. Then psi alone is trained on w * L_rel for the same number of local epochs, in a small torch
+     loop over the new body's features (eval mode, computed once with `setup.ops.features`),
+     mini-batches from `seeds.torch_generator(seed, round, cid, "rpfedpm")`.
+  This is block-coordinate (body then psi) instead of the simultaneous SGD of one joint loss.
+
+pFedPM-mh (clients with CNNs of different widths, spec §2.9) is not available: the engine builds
+one architecture per run. The algorithm itself only exchanges d-dimensional features, so it needs
+no change; the engine needs per-client model builders.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
+                                     cross_entropy, register)
+from pfedkit.algorithms.params import Params, clone
+from pfedkit.engine.seeds import SERVER, derive_seed, torch_generator
+from pfedkit.engine.trainer import batch_order
+from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
+
+FEATURE_CHUNK = 512  # samples per forward when computing local features (memory bound only)
+UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
+
+# Features travel as {class label: tensor [d]}; a table is the dense form ([C, d] + mask [C]).
+FeatureTable = tuple[torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# The math (pure functions)
+
+
+def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. (6): C_i^(c) = (1/n_{i,c}) sum_{y=c} f(x) for every class -> (means [C, d], counts [C]).
+
+    Rows of classes without samples are zero; counts (int64) tell which classes exist.
+    """
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64)
+    sums.index_add_(0, labels, features.double())
+    means = sums / counts.clamp(min=1).unsqueeze(1)
+    return means.to(features.dtype), counts
+
+
+def global_features(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int, int]]],
+                    weighting: str = "count") -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+    """Eq. (7): C̄^(c) = sum_{i in N_c} n_{i,c} C_i^(c) / sum_{i in N_c} n_{i,c} over the uploads
+    that contain class c (weighting="count"), or their plain mean (weighting="uniform", FedProto's
+    code). Returns ({c: C̄^(c)}, {c: N_c = sum_i n_{i,c}}); a class nobody uploaded is absent.
+
+    Accumulated in float64, so the result does not depend on the order of the uploads beyond
+    float32 rounding of the final value.
+    """
+    if weighting not in ("count", "uniform"):
+        raise ValueError(f"global_feature_weighting must be 'count' or 'uniform', got {weighting!r}")
+    sums: dict[int, torch.Tensor] = {}
+    weights: dict[int, float] = {}
+    totals: dict[int, int] = {}
+    for features, counts in uploads:
+        for label, feature in features.items():
+            count = int(counts[label])
+            weight = float(count) if weighting == "count" else 1.0
+            sums[label] = sums.get(label, 0) + weight * feature.double()
+            weights[label] = weights.get(label, 0.0) + weight
+            totals[label] = totals.get(label, 0) + count
+    dtype = next((f.dtype for features, _ in uploads for f in features.values()), torch.float32)
+    means = {label: (sums[label] / weights[label]).to(dtype) for label in sorted(sums)}
+    return means, {label: totals[label] for label in sorted(totals)}
+
+
+def mix_features(local: torch.Tensor, has_local: torch.Tensor, global_: torch.Tensor,
+                 has_global: torch.Tensor, a: float) -> FeatureTable:
+    """Eq. (8): Ĉ_i^(c) = a C_i^(c) + (1 - a) C̄^(c), defined only where both features exist
+    (a class without one of them has no mixed feature, spec §2.5 step 2). -> (mixed [C, d], mask)."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"mixing weight a must lie in [0, 1], got {a}")
+    has_mixed = has_local & has_global
+    mixed = torch.where(has_mixed.unsqueeze(1), a * local + (1.0 - a) * global_, torch.zeros_like(local))
+    return mixed, has_mixed
+
+
+def prototype_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: torch.Tensor,
+                          has_mixed: torch.Tensor) -> torch.Tensor:
+    """Eq. (9)'s R_i: MSE between f(x_b) and Ĉ^(y_b) over the samples whose class has a mixed
+    feature (mean over those samples and the d dimensions); 0 when none has one.
+
+    Depends on the body output only, so its gradient never reaches the decision head.
+    """
+    selected = has_mixed[labels]
+    if not bool(selected.any()):
+        return features.new_zeros(())
+    return F.mse_loss(features[selected], mixed[labels[selected]])
+
+
+def relation_class_features(mixed: torch.Tensor, has_mixed: torch.Tensor, global_: torch.Tensor,
+                            has_global: torch.Tensor) -> FeatureTable:
+    """Eq. (12)'s class features: Ĉ_i^(c) where the client has a mixed feature, else C̄^(c);
+    classes with neither are unavailable. -> (class features [C, d], available mask [C])."""
+    chosen = torch.where(has_mixed.unsqueeze(1), mixed, global_)
+    available = has_mixed | has_global
+    return torch.where(available.unsqueeze(1), chosen, torch.zeros_like(chosen)), available
+
+
+def relation_targets(labels: torch.Tensor, class_ids: torch.Tensor) -> torch.Tensor:
+    """One-hot targets 1[y_b = c] over the available classes -> [B, K] float."""
+    return (labels.unsqueeze(1) == class_ids.unsqueeze(0)).float()
+
+
+def relation_loss(scores: torch.Tensor, labels: torch.Tensor, class_ids: torch.Tensor) -> torch.Tensor:
+    """Eq. (13): L_rel = 1/(|B| |K_i|) sum_b sum_{c in K_i} (r_{b,c} - 1[y_b = c])^2
+    (Sung et al.'s MSE to one-hot targets); scores [B, K] are ordered like class_ids [K]."""
+    return ((scores - relation_targets(labels, class_ids)) ** 2).mean()
+
+
+def relation_logits(scores: torch.Tensor, class_ids: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Scores [B, K] of the available classes as [B, C] "logits" whose argmax is
+    argmax_{c in K_i} r_{b,c}: unavailable classes get UNAVAILABLE_SCORE, below every score."""
+    logits = scores.new_full((scores.shape[0], num_classes), UNAVAILABLE_SCORE)
+    logits[:, class_ids] = scores
+    return logits
+
+
+def pfedpm_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                lam: float, relation_weight: float = 0.0) -> torch.Tensor:
+    """Eq. (9) (+ R-pFedPM's relation term): CE + lam * R_i [+ relation_weight * L_rel].
+
+    context: "mixed" [C, d] and "has_mixed" [C]; for the relation term also "relation" (psi,
+    held fixed here), "class_features" [C, d] and "available" [C]. lam = 0 and no relation term
+    is exactly the cross-entropy (Local training).
+    """
+    loss = cross_entropy(out, y, params, context)
+    if lam:
+        loss = loss + lam * prototype_regulariser(out.features, y, context["mixed"], context["has_mixed"])
+    if relation_weight and "relation" in context:
+        class_ids = context["available"].nonzero().squeeze(1)
+        scores = relation_scores(context["relation"], out.features, context["class_features"][class_ids],
+                                 training=True)
+        loss = loss + relation_weight * relation_loss(scores, y, class_ids)
+    return loss
+
+
+def train_relation(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                   features: torch.Tensor, labels: torch.Tensor, class_features: torch.Tensor,
+                   class_ids: torch.Tensor, *, epochs: int, batch_size: int, lr: float, momentum: float,
+                   weight: float, generator: torch.Generator) -> tuple[dict, dict, float]:
+    """SGD on weight * L_rel (eq. 13) over psi only, the body's features fixed.
+
+    Mini-batches as the engine draws them (a seeded permutation per epoch). BatchNorm runs in
+    train mode and updates the returned running statistics. -> (psi, statistics, mean loss).
+    """
+    live = {name: value.detach().clone().requires_grad_(True) for name, value in params.items()}
+    stats = {name: value.detach().clone() for name, value in buffers.items()}
+    optimizer = torch.optim.SGD(list(live.values()), lr=lr, momentum=momentum)
+    features = features.detach()
+    total, steps = 0.0, 0
+    for _ in range(epochs):
+        for batch in batch_order(len(labels), batch_size, False, generator):
+            scores = relation_scores(live, features[batch], class_features, training=True, buffers=stats)
+            loss = weight * relation_loss(scores, labels[batch], class_ids)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total, steps = total + float(loss.detach()), steps + 1
+    return ({name: value.detach() for name, value in live.items()}, stats, total / max(steps, 1))
+
+
+def feature_distance(features: Mapping[int, torch.Tensor], reference: Mapping[int, torch.Tensor]) -> float:
+    """Mean over the uploaded classes of ||C_i^(c) - C̄^(c)||_2 (diagnostic; nan if no class)."""
+    distances = [float(torch.linalg.vector_norm(feature - reference[label]))
+                 for label, feature in features.items() if label in reference]
+    return float(np.mean(distances)) if distances else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages <-> dense tables
+
+
+def table_to_message(features: torch.Tensor, present: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{class label: feature [d]} for the present classes (labels are the dict keys, not counted
+    as payload, like parameter names in a weight message)."""
+    return {int(label): features[label].clone() for label in present.nonzero().squeeze(1).tolist()}
+
+
+def message_to_table(features: Mapping[int, torch.Tensor], num_classes: int, feature_dim: int) -> FeatureTable:
+    table = torch.zeros(num_classes, feature_dim)
+    present = torch.zeros(num_classes, dtype=torch.bool)
+    for label, feature in features.items():
+        table[int(label)] = feature
+        present[int(label)] = True
+    return table, present
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithms
+
+
+@register
+class PFedPM(Algorithm):
+    name = "pfedpm"
+    description = "pFedPM: clients exchange per-class mean features; local loss pulls features to a local/global mix"
+    head = "last"  # body = up to the 50-d fc1 feature, decision head = fc2 (spec §2.2)
+
+    class Hyper(BaseModel):
+        """pFedPM hyperparameters (seed spec §2.7).
+
+        a: mixing weight of the local feature in eq. (8) (0: global feature only, FedProto's
+           target; 1: own previous feature only). Spec default 0.4 [ours; FEMNIST n=4].
+        lam: weight of the feature regulariser in eq. (9): 1 for MNIST/FEMNIST, 0.1 for CIFAR-10.
+        global_feature_weighting: "count" = eq. (7) normalised by the class's sample counts
+           [ours, the printed FedProto formula made to sum to one]; "uniform" = plain mean over
+           the uploading clients (FedProto's code).
+        prototype_source: "eval_pass" = local features from one no-grad eval-mode pass over the
+           client's training data after training [ours]; "training_passes" (FedProto's code:
+           features produced during the training passes) needs engine support and is refused.
+        """
+        model_config = ConfigDict(extra="forbid")
+        a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)")
+        lam: float = Field(1.0, ge=0, description="regulariser weight lambda (eq. 9)")
+        global_feature_weighting: Literal["count", "uniform"] = Field(
+            "count", description="eq. (7): weight uploads by class counts, or plain mean (FedProto code)")
+        prototype_source: Literal["eval_pass", "training_passes"] = Field(
+            "eval_pass", description="how local features are computed (training_passes: not available)")
+
+        @field_validator("prototype_source")
+        @classmethod
+        def _only_eval_pass(cls, value: str) -> str:
+            if value == "training_passes":
+                raise ValueError("prototype_source='training_passes' needs the engine to return the "
+                                 "features of its training passes (a Fit feature-collection hook); "
+                                 "use 'eval_pass'")
+            return value
+
+    def __init__(self, hyper: BaseModel, setup) -> None:
+        super().__init__(hyper, setup)
+        self.feature_dim = int(setup.ops.template.feature_dim)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def init_server(self, params: Params) -> dict[str, torch.Tensor]:
+        """Global features C̄ [C, d], which classes have one, and N_c (none before round 1)."""
+        c, d = self.setup.num_classes, self.feature_dim
+        return {"features": torch.zeros(c, d), "present": torch.zeros(c, dtype=torch.bool),
+                "counts": torch.zeros(c, dtype=torch.int64)}
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        """Own model (never uploaded) and the local features of its last participation."""
+        c, d = self.setup.num_classes, self.feature_dim
+        return {"params": clone(params), "local": torch.zeros(c, d), "has_local": torch.zeros(c, dtype=torch.bool)}
+
+    # -- round ---------------------------------------------------------------------------------
+
+    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
+        """All global features known (R-pFedPM needs those of classes a client lacks too)."""
+        down = {"features": table_to_message(server["features"], server["present"])}
+        return {cid: down for cid in cids}
+
+    def received_and_mixed(self, client: dict, message: Message) -> tuple[FeatureTable, FeatureTable]:
+        received = message_to_table(message.get("features", {}), self.setup.num_classes, self.feature_dim)
+        mixed = mix_features(client["local"], client["has_local"], *received, self.h.a)
+        return received, mixed
+
+    def local_features(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Body outputs of the training data (eval mode, no grad) and eq. (6) -> (h, means, counts)."""
+        features = torch.cat([self.setup.ops.features(params, data.x_train[start:start + FEATURE_CHUNK])
+                              for start in range(0, data.n_train, FEATURE_CHUNK)]).float()
+        means, counts = class_means(features, data.y_train, self.setup.num_classes)
+        return features, means, counts
+
+    @staticmethod
+    def upload(means: torch.Tensor, counts: torch.Tensor) -> Message:
+        """Spec §2.5 step 4: {(c, C_i^(c), n_{i,c})} for the owned classes: |classes| (d + 1) numbers."""
+        present = counts > 0
+        return {"features": table_to_message(means, present),
+                "counts": {int(c): int(counts[c]) for c in present.nonzero().squeeze(1).tolist()}}
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        _, (mixed, has_mixed) = self.received_and_mixed(client, message)
+        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam),
+                           context={"mixed": mixed, "has_mixed": has_mixed})
+        _, means, counts = self.local_features(params, data)
+        return {"params": params, "local": means, "has_local": counts > 0}, self.upload(means, counts)
+
+    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, torch.Tensor]:
+        """Eq. (7) over this round's uploads; classes nobody uploaded keep their previous feature."""
+        if not replies:
+            return server
+        ordered = sorted(replies)
+        means, totals = global_features([(replies[c]["features"], replies[c]["counts"]) for c in ordered],
+                                        self.h.global_feature_weighting)
+        server = {name: value.clone() for name, value in server.items()}
+        for label, feature in means.items():
+            server["features"][label] = feature
+            server["present"][label] = True
+            server["counts"][label] = totals[label]
+        current = table_to_message(server["features"], server["present"])
+        distances = np.full(self.setup.num_clients, np.nan)
+        for cid in ordered:
+            distances[cid] = feature_distance(replies[cid]["features"], current)
+        self.record(rnd, "local_global_distance", distances)
+        self.record(rnd, "global_classes", int(server["present"].sum()))
+        return server
+
+    def client_model(self, cid: int, server: dict, client: dict) -> Params:
+        """The client's own model; pFedPM predicts with its decision head (spec §2.5)."""
+        return client["params"]
+
+    # -- report --------------------------------------------------------------------------------
+
+    @staticmethod
+    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
+        from pfedkit.report.plots import heatmap, lines
+
+        per_round = diagnostics.get("local_global_distance", {})
+        if not per_round:
+            return []
+        rounds = sorted(per_round)
+        matrix = np.stack([np.asarray(per_round[r], dtype=float) for r in rounds])  # [T, N]
+        written = [heatmap(matrix.T, Path(out_dir) / "pfedpm_feature_distance_clients.png",
+                           "||local - global feature||, mean over a client's classes",
+                           "round index (0 = first round)", "client", colorbar="L2 distance")]
+        with warnings.catch_warnings():  # rounds in which nobody uploaded are all-nan
+            warnings.simplefilter("ignore", category=RuntimeWarning)
+            series = {"mean over participants": np.nanmean(matrix, axis=1),
+                      "max": np.nanmax(matrix, axis=1), "min": np.nanmin(matrix, axis=1)}
+        written.append(lines(rounds, series, Path(out_dir) / "pfedpm_feature_distance.png",
+                             "distance between local and global features", "round", "L2 distance"))
+        return written
+
+
+@register
+class RPFedPM(PFedPM):
+    name = "rpfedpm"
+    description = "R-pFedPM: pFedPM with a per-client relation module scoring (feature, class feature) pairs"
+
+    class Hyper(PFedPM.Hyper):
+        """R-pFedPM = pFedPM's hyperparameters plus the relation module's (seed spec §2.5-2.7).
+
+        relation_weight: weight of L_rel (eq. 13) in the local loss; not stated by the paper,
+           1.0 [ours].
+        relation_detach_body: False [ours, "both heads share the body"]: the relation loss's
+           gradient reaches the body (with psi fixed during the engine's Fit); True: it does not.
+        relation_lr / relation_momentum / relation_batch_size: SGD of psi's own loop (the engine
+           does not tell algorithms its optimiser settings); defaults = the paper's SGD (0.01,
+           momentum 0.5, batch 10). relation_epochs: None = the run's local_epochs.
+        """
+        relation_weight: float = Field(1.0, ge=0, description="weight of the relation loss (eq. 13)")
+        relation_detach_body: bool = Field(False, description="keep the relation loss's gradient out of the body")
+        relation_lr: float = Field(0.01, gt=0, description="SGD learning rate of the relation module")
+        relation_momentum: float = Field(0.5, ge=0, lt=1, description="SGD momentum of the relation module")
+        relation_batch_size: int = Field(10, ge=1, description="mini-batch size of the relation module's loop")
+        relation_epochs: int | None = Field(None, ge=1, description="epochs of the relation loop (None: local_epochs)")
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        """pFedPM's state plus psi (same seeded initialisation on every client, never uploaded) and
+        the class features of its last training, used for prediction."""
+        state = super().init_client(cid, params)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.setup.seed, 0, SERVER, "relation-init"))
+            module = RelationModule(self.feature_dim)
+        c, d = self.setup.num_classes, self.feature_dim
+        state.update({"relation": relation_params(module), "relation_stats": relation_buffers(module),
+                      "class_features": torch.zeros(c, d), "available": torch.zeros(c, dtype=torch.bool)})
+        return state
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        h = self.h
+        received, (mixed, has_mixed) = self.received_and_mixed(client, message)
+        class_features, available = relation_class_features(mixed, has_mixed, *received)
+        use_relation = bool(available.any()) and h.relation_weight > 0
+        context = {"mixed": mixed, "has_mixed": has_mixed}
+        fit_relation_weight = 0.0
+        if use_relation and not h.relation_detach_body:
+            context.update({"relation": client["relation"], "class_features": class_features, "available": available})
+            fit_relation_weight = h.relation_weight
+        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=h.lam, relation_weight=fit_relation_weight),
+                           context=context)
+        features, means, counts = self.local_features(params, data)
+        relation, stats = client["relation"], client["relation_stats"]
+        if use_relation:
+            class_ids = available.nonzero().squeeze(1)
+            relation, stats, _ = train_relation(
+                relation, stats, features, data.y_train, class_features[class_ids], class_ids,
+                epochs=h.relation_epochs or self.setup.local_epochs, batch_size=h.relation_batch_size,
+                lr=h.relation_lr, momentum=h.relation_momentum, weight=h.relation_weight,
+                generator=torch_generator(self.setup.seed, rnd, cid, "rpfedpm"))
+        state = {"params": params, "local": means, "has_local": counts > 0, "relation": relation,
+                 "relation_stats": stats, "class_features": class_features, "available": available}
+        return state, self.upload(means, counts)
+
+    def predict(self, cid: int, server: Any, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """argmax_{c in K_i} r_{b,c} against the class features of the client's last training.
+
+        Before a client has any class feature (it has not trained with received features yet,
+        e.g. after round 1) it predicts with its decision head instead.
+        """
+        available = client["available"]
+        if not bool(available.any()):
+            return self.setup.ops.head_logits(client["params"], features)
+        class_ids = available.nonzero().squeeze(1)
+        scores = relation_scores(client["relation"], features, client["class_features"][class_ids],
+                                 training=False, buffers=client["relation_stats"])
+        return relation_logits(scores, class_ids, self.setup.num_classes)

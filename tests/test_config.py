@@ -1,0 +1,77 @@
+"""Configuration: overrides, YAML files, and every bad-config case ending with exit 2, a message
+naming the key, and no run directory."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pfedkit.cli import main
+from pfedkit.config import ConfigError, load_config, parse_overrides
+
+
+def test_overrides_are_typed_and_nested():
+    tree = parse_overrides(["lr=0.1", "rounds=3", "drop_last=true", "partition.alpha=0.3", "fedprox.mu=1"])
+    assert tree == {"lr": 0.1, "rounds": 3, "drop_last": True, "partition": {"alpha": 0.3}, "fedprox": {"mu": 1}}
+
+
+def test_yaml_file_plus_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "fedprox", "rounds": 7, "partition": {"scheme": "iid"},
+                                    "fedprox": {"mu": 0.5}}))
+    config = load_config(path, ["rounds=9", "fedprox.mu=0.25"])
+    assert config.rounds == 9 and config.partition.scheme == "iid"
+    assert config.hyper().mu == 0.25
+
+
+def test_resolved_config_contains_algorithm_defaults():
+    data = load_config({"algorithm": "fedprox"}).to_dict()
+    assert data["fedprox"] == {"mu": 0.01}
+
+
+BAD_CASES = [
+    (["partition.alpha=0"], "partition.alpha"),
+    (["partition.alpha=-1"], "partition.alpha"),
+    (["partition.scheme=pathological", "partition.classes_per_client=11"], "partition.classes_per_client"),
+    (["num_clients=5000"], "num_clients"),
+    (["algorithm=nosuch"], "algorithm"),
+    (["dataset=nosuch"], "dataset"),
+    (["model=nosuch"], "model"),
+    (["colour=blue"], "colour"),
+    (["partition.colour=blue"], "partition.colour"),
+    (["fedprox.mu=-1"], "fedprox.mu"),
+    (["algorithm=fedprox", "fedprox.nu=1"], "fedprox.nu"),
+    (["rounds=0"], "rounds"),
+    (["join_ratio=1.5"], "join_ratio"),
+    (["backend=gpu"], "backend"),
+    (["lr"], "lr"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_CASES, ids=[c[1] + "-" + "-".join(c[0])[:30] for c in BAD_CASES])
+def test_bad_config_exits_2_names_key_and_creates_no_run_directory(overrides, key, tmp_path, capsys):
+    out = tmp_path / "runs"
+    status = main(["run", "-q", *overrides, f"out_dir={out}"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert key in err
+    assert not out.exists()
+
+
+def test_impossible_partition_exits_2_without_run_directory(tmp_path, capsys):
+    out = tmp_path / "runs"
+    status = main(["run", "-q", "num_clients=200", "partition.alpha=0.01", "partition.least=40", f"out_dir={out}"])
+    assert status == 2
+    assert "least" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_missing_config_file_is_reported(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_config_error_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config({"rounds": -1, "lr": 0})
+    assert "\n" not in str(err.value) and "rounds" in str(err.value) and "lr" in str(err.value)

@@ -1,0 +1,61 @@
+"""Evaluation summaries: weighted vs unweighted means, best round, last-5, class groups, bytes."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pfedkit.algorithms.base import message_bytes
+from pfedkit.evaluation import evaluate_logits_fn, group_accuracy, round_table, summarize
+
+
+def metrics_frame():
+    # round 1: client 0 9/10, client 1 10/90 ; round 2: 5/10 and 80/90 ; round 3: 10/10, 0/90
+    rows = []
+    for rnd, results in ((1, [(9, 10), (10, 90)]), (2, [(5, 10), (80, 90)]), (3, [(10, 10), (0, 90)])):
+        for cid, (correct, n) in enumerate(results):
+            rows.append({"round": rnd, "client": cid, "correct": correct, "n_test": n, "accuracy": correct / n,
+                         "loss": 1.0, "balanced_acc": correct / n, "bytes_up": 100, "bytes_down": 50})
+    return pd.DataFrame(rows)
+
+
+def test_weighted_and_unweighted_means_differ_as_defined():
+    table = round_table(metrics_frame())
+    assert table.loc[1, "acc_weighted"] == pytest.approx(19 / 100)
+    assert table.loc[1, "acc_mean"] == pytest.approx((0.9 + 10 / 90) / 2)
+    assert table.loc[2, "acc_worst"] == pytest.approx(0.5)
+
+
+def test_summary_best_round_and_totals():
+    summary = summarize(metrics_frame(), algorithm="x", dataset="d", rounds=3, class_correct=None,
+                        class_total=None, train_counts=np.zeros((2, 2)))
+    assert summary["best_round"] == 2 and summary["best_acc"] == pytest.approx(0.85)
+    assert summary["best_acc_unweighted"] == pytest.approx((0.5 + 80 / 90) / 2)
+    assert summary["final_acc"] == pytest.approx(0.1) and summary["final_acc_unweighted"] == pytest.approx(0.5)
+    assert summary["last5_acc"] == pytest.approx((0.19 + 0.85 + 0.1) / 3)
+    assert summary["bytes_up"] == 600 and summary["bytes_down"] == 300
+
+
+def test_group_accuracy_uses_training_counts_thresholds():
+    train_counts = np.array([[100, 50, 10, 0]])
+    class_correct = np.array([[9, 4, 1, 0]])
+    class_total = np.array([[10, 5, 2, 3]])
+    groups = group_accuracy(class_correct, class_total, train_counts)
+    assert groups == {"few": 0.5, "medium": 0.8, "many": 0.9, "absent": 0.0}
+
+
+def test_evaluate_counts_per_class_hits():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0]])
+    y = torch.tensor([0, 0, 1])
+    result = evaluate_logits_fn(lambda xb: xb, logits, y, num_classes=2, batch_size=2)
+    assert result.correct == 1 and result.n_test == 3
+    assert result.class_correct.tolist() == [1, 0] and result.class_total.tolist() == [2, 1]
+    assert result.balanced_accuracy == pytest.approx(0.25)
+
+
+def test_message_bytes_counts_payloads():
+    message = {"params": {"w": torch.zeros(3, 4), "b": torch.zeros(4, dtype=torch.float64)},
+               "weight": 17, "counts": np.zeros(10, dtype=np.int64)}
+    assert message_bytes(message) == 48 + 32 + 8 + 80
+    assert message_bytes({}) == 0
