@@ -54,7 +54,7 @@ def bench_config(args) -> dict:
 
 
 def run_bench(args, log=print) -> dict:
-    config = load_config(bench_config(args))
+    config = load_config(bench_config(args), list(getattr(args, "overrides", []) or []))
     started = time.perf_counter()
     prepared = prepare(config)
     setup_seconds = time.perf_counter() - started
@@ -78,7 +78,8 @@ def run_bench(args, log=print) -> dict:
     flops = training_flops_per_sample(model, client.x_train[:10], client.y_train[:10])
     peak = matmul_gflops(total_threads)
     achieved = samples / train * flops / 1e9
-    return {"backend": args.backend, "clients": args.clients, "dataset": args.dataset, "rounds": args.rounds,
+    return {"backend": args.backend, "clients": args.clients, "algorithm": config.algorithm,
+            "channels_last": config.channels_last, "dataset": args.dataset, "rounds": args.rounds,
             "precision": args.precision, "setup_sec": round(setup_seconds, 2),
             "sec_per_round": round(train + evaluate, 3), "train_sec_per_round": round(train, 3),
             "eval_sec_per_round": round(evaluate, 3), "samples_per_sec": round(samples / train, 1),

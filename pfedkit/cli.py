@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_report.set_defaults(func=cmd_report)
 
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
+    p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false)")
     p_bench.add_argument("--rounds", type=int, default=3)
     p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized"])
     p_bench.add_argument("--workers", type=int, default=None)

@@ -20,7 +20,7 @@ from pfedkit.engine.trainer import FitJob
 from pfedkit.runs import prepare
 
 CONFIG = {"algorithm": "dapfl", "dataset": "digits", "num_clients": 4, "rounds": 3, "batch_size": 20,
-          "lr": 0.05, "seed": 3, "partition": {"scheme": "dirichlet", "alpha": 0.5}}
+          "lr": 0.05, "seed": 3, "threads": 1, "partition": {"scheme": "dirichlet", "alpha": 0.5}}
 
 
 @pytest.fixture

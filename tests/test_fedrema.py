@@ -15,7 +15,8 @@ from pfedkit.algorithms.fedrema import (FedReMa, alignment_loss, ccp_continues, 
 from pfedkit.algorithms.params import flatten, num_parameters, select
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import BodyHeadModel
-from pfedkit.runs import CHECKPOINT
+from pfedkit.config import load_config
+from pfedkit.runs import CHECKPOINT, prepare
 
 NUM_CLASSES = 4
 IN_DIM = 6
@@ -235,6 +236,17 @@ def test_ccp_ends_for_good_and_g_stops_changing():
     assert sorted(algo.diagnostics["relevance"]) == [1]  # S is only computed during the CCP
 
 
+def test_without_ccp_mds_runs_every_round():
+    algo = make_algorithm(use_ccp=False)
+    server = algo.init_server(algo.setup.ops.initial_params())
+    server["gap_history"] = [10.0]
+    for rnd in (1, 2):
+        server = algo.aggregate(rnd, server, random_replies(algo, [0, 1, 2, 3, 4], seed=rnd))
+        assert server["ccp"] is True
+    np.testing.assert_array_equal(np.diag(server["dependency_map"]), [2] * 5)
+    assert len(server["gap_history"]) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # §1.12 property 5: the G rule
 
@@ -287,8 +299,9 @@ def test_after_ccp_without_dependencies_the_own_head_is_kept():
     np.testing.assert_allclose(head_vector(fallback["heads"][1])[:4].numpy(), [0.5, 0.5, 0, 0])
 
 
-def test_ccp_round_heads_are_sample_weighted_over_selected_peers():
-    algo = make_algorithm(5)
+@pytest.mark.parametrize("peer_weighting", ["samples", "uniform"])
+def test_ccp_round_heads_average_the_selected_peers(peer_weighting):
+    algo = make_algorithm(5, peer_weighting=peer_weighting)
     participants = [0, 1, 2, 3, 4]
     sizes = np.array([10, 20, 30, 40, 50], dtype=float)
     replies = random_replies(algo, participants, seed=11, sizes=sizes)
@@ -297,7 +310,8 @@ def test_ccp_round_heads_are_sample_weighted_over_selected_peers():
     new = algo.aggregate(1, algo.init_server(algo.setup.ops.initial_params()), replies)
     for row, cid in enumerate(participants):
         chosen, _ = mds(relevance[row], row)
-        expected = sum(sizes[j] * flatten(heads[j]) for j in chosen) / sizes[chosen].sum()
+        weights = sizes if peer_weighting == "samples" else np.ones(5)
+        expected = sum(weights[j] * flatten(heads[j]) for j in chosen) / weights[chosen].sum()
         torch.testing.assert_close(head_vector(new["heads"][cid]), expected.float(), rtol=1e-5, atol=1e-6)
         assert list(algo.diagnostics["selected"][1][cid]) == [participants[j] for j in chosen]
         assert np.flatnonzero(new["dependency_map"][cid]).tolist() == chosen
@@ -415,7 +429,7 @@ def digits_config(tmp_path, **extra) -> dict:
 
 
 def test_one_client_equals_local_and_fedavg(tmp_path):
-    config = digits_config(tmp_path, num_clients=1, rounds=2, partition={"scheme": "iid"})
+    config = digits_config(tmp_path, num_clients=1, rounds=2, partition={"scheme": "iid", "samples_per_client": 300})
     runs = {name: pfedkit.run({**config, "algorithm": name}) for name in ("fedrema", "fedavg", "local")}
 
     def by_layer(params):
@@ -464,7 +478,7 @@ def test_alignment_variant_bytes_carry_prototypes(tmp_path):
     model_bytes = 4 * num_parameters({**state.server["body"], **state.server["heads"][0]})
     feature_dim = 64  # MLP with head="fc": the body is the flatten layer
     metrics = result.metrics.set_index(["round", "client"])
-    counts = pfedkit.runs.prepare(pfedkit.config.load_config(digits_config(tmp_path))).data.train_counts()
+    counts = prepare(load_config(digits_config(tmp_path))).data.train_counts()
     for cid in range(5):
         classes = int((counts[cid] > 0).sum())
         upload = model_bytes + 8 + classes * (4 * feature_dim + 8)

@@ -1,7 +1,9 @@
 """Algorithms: one small module each, registered by name with `@register`.
 
-Every module of this package is imported here so that its algorithms register themselves; a new
-algorithm is a new file. See `base.py` for the contract every algorithm follows.
+Every module of this package is imported on first lookup (`algorithm_names`, `get_algorithm`) so
+that its algorithms register themselves; a new algorithm is a new file. Importing the package or
+`base` alone imports no algorithm, which keeps the engine free of import cycles. See `base.py`
+for the contract every algorithm follows.
 """
 from __future__ import annotations
 
@@ -11,17 +13,26 @@ import pkgutil
 from pfedkit.algorithms.base import Algorithm, registry
 
 _HELPER_MODULES = {"base", "params"}
+_loaded = False
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name not in _HELPER_MODULES and not _module.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_module.name}")
+
+def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
+    for module in pkgutil.iter_modules(__path__):
+        if module.name not in _HELPER_MODULES and not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+    _loaded = True
 
 
 def algorithm_names() -> list[str]:
+    _load_all()
     return sorted(registry())
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
+    _load_all()
     if name not in registry():
         raise ValueError(f"unknown algorithm {name!r}; allowed: {', '.join(algorithm_names())}")
     return registry()[name]

@@ -305,7 +305,7 @@ class FedReMa(Algorithm):
 
     def _local_training(self, params: Params, prototypes: torch.Tensor | None):
         """§1.4 step 2 / §1.7: the round's Fit requests for the chosen variant."""
-        context = {"prototypes": prototypes} if prototypes is not None else {}
+        context = {"prototypes": prototypes} if self.aligns_features and prototypes is not None else {}
         body_loss = partial(alignment_loss, lambda_f=self.h.lambda_f) if self.aligns_features else cross_entropy
         if not self.alternates:
             return (yield Fit(params, loss=body_loss, context=context))

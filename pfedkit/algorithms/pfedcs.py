@@ -403,7 +403,8 @@ class PFedCS(Algorithm):
 
     def record_round(self, rnd: int, cids: list[int], normalised: np.ndarray, plans: dict[int, Collaboration]) -> None:
         """Per stage-1 round: the normalised distance matrix (NaN outside P_t), each client's
-        candidates and collaborators (row k, 0/1), and its threshold tau_{t,k}."""
+        candidates and collaborators (row k, 0/1), and its threshold tau_{t,k}. Called from
+        `broadcast`, where this implementation makes the round's decisions (see the module notes)."""
         n = self.setup.num_clients
         distance = np.full((n, n), np.nan)
         distance[np.ix_(cids, cids)] = normalised

@@ -47,6 +47,7 @@ class SequentialRuntime:
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  threads: int | None = None) -> None:
+        self.previous_threads = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         self.trainer = LocalTrainer(build, settings)
@@ -65,4 +66,4 @@ class SequentialRuntime:
         return out
 
     def close(self) -> None:
-        pass
+        torch.set_num_threads(self.previous_threads)  # the thread count is process-wide
