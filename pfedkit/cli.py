@@ -173,7 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Options may come before, between or after key=value items: collect the leftovers as items.
+    ns, leftovers = parser.parse_known_args(argv)
+    if leftovers:
+        unknown_options = [item for item in leftovers if item.startswith("-")]
+        if unknown_options or not hasattr(ns, "items"):
+            parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+        ns.items = list(ns.items) + leftovers
     try:
         return ns.func(ns)
     except _user_errors() as err:

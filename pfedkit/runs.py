@@ -131,7 +131,10 @@ def make_runtime(config: Config, build, data: FederatedData):
         return SequentialRuntime(build, settings, data, threads=config.threads)
     if config.backend == "processes":
         return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads)
-    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential, processes")
+    if config.backend == "vectorized":
+        from pfedkit.engine.vectorized import VectorizedRuntime
+        return VectorizedRuntime(build, settings, data, threads=config.threads)
+    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential, processes, vectorized")
 
 
 def create_run_dir(config: Config) -> Path:

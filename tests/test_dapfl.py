@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import Forward, cross_entropy
+from pfedkit.algorithms.base import Fit, Forward, cross_entropy
 from pfedkit.algorithms.dapfl import (adjusted_cosine, affinity, aggregation_weights, local_objective,
                                       log_one_minus_exp_neg, overlapping_class_vectors,
                                       pairwise_squared_distances, raw_affinity, resolve_sigma)
 from pfedkit.algorithms.params import flatten, num_parameters, squared_distance
 from pfedkit.config import ConfigError, load_config
-from pfedkit.algorithms.base import Fit
 from pfedkit.engine.trainer import FitJob
 from pfedkit.runs import prepare
 

@@ -23,10 +23,19 @@ from pfedkit.models import build_model
 from pfedkit.models.relation import (RelationModule, make_pairs, relation_buffers, relation_params,
                                      relation_scores)
 from pfedkit.report.run_report import report_run
-from pfedkit.runs import CHECKPOINT
+from pfedkit.runs import CHECKPOINT, prepare
 
 D = 6  # feature dimension of the synthetic tests
 C = 5  # classes of the synthetic tests
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny tensors: one thread avoids thread contention on a shared machine (40x slower here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -164,6 +173,18 @@ def test_regulariser_is_zero_when_features_equal_mixed_features_and_never_reache
     F.cross_entropy(model(x), labels).backward()
     for name, grad in head_grads.items():
         torch.testing.assert_close(grad, params[name].grad)
+
+
+def test_regulariser_runs_under_vmap_so_the_vectorized_runtime_can_batch_clients():
+    features = torch.randn(3, 6, D, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[0, 1, 1, 3, 2, 4]] * 3)
+    tables = [random_table(seed, present) for seed, present in ((1, [0, 1]), (2, []), (3, [1, 2, 3, 4]))]
+    mixed = torch.stack([t for t, _ in tables])
+    has_mixed = torch.stack([m for _, m in tables])
+    batched = torch.vmap(prototype_regulariser)(features, labels, mixed, has_mixed)
+    for k in range(3):
+        torch.testing.assert_close(batched[k], prototype_regulariser(features[k], labels[k], mixed[k], has_mixed[k]))
+    assert float(batched[1]) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -405,7 +426,6 @@ def test_end_to_end_on_digits(name, digits_config):
     result = pfedkit.run(config)
     state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
     diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
-    from pfedkit.runs import prepare
     prepared = prepare(load_config(config))
     data, algo = prepared.data, prepared.simulation.algorithm
     d = algo.feature_dim

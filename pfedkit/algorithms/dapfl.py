@@ -318,9 +318,11 @@ class DAPFL(Algorithm):
         models = dict(server["models"])
         for cid in sorted(replies):
             reply = replies[cid]
-            if "class_counts" in reply and not np.array_equal(reply["class_counts"], server["class_counts"][cid]):
-                raise ValueError(f"dapfl: client {cid} uploaded class counts {reply['class_counts'].tolist()} but the "
-                                 f"affinity was built from {server['class_counts'][cid].tolist()}")
+            if "class_counts" in reply:
+                received = np.asarray(reply["class_counts"])
+                if not np.array_equal(received, server["class_counts"][cid]):
+                    raise ValueError(f"dapfl: client {cid} uploaded class counts {received.tolist()} but the affinity "
+                                     f"was built from {server['class_counts'][cid].tolist()}; the two must agree")
             models[cid] = reply["params"]
         return {**server, "models": models}
 

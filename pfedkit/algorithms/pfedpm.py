@@ -115,12 +115,13 @@ def prototype_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: t
     """Eq. (9)'s R_i: MSE between f(x_b) and Ĉ^(y_b) over the samples whose class has a mixed
     feature (mean over those samples and the d dimensions); 0 when none has one.
 
-    Depends on the body output only, so its gradient never reaches the decision head.
+    Written as a masked sum (no boolean indexing or data-dependent branch) so that it runs under
+    torch.vmap in the vectorized runtime. Depends on the body output only, so its gradient never
+    reaches the decision head.
     """
-    selected = has_mixed[labels]
-    if not bool(selected.any()):
-        return features.new_zeros(())
-    return F.mse_loss(features[selected], mixed[labels[selected]])
+    selected = has_mixed[labels].to(features.dtype)  # [B]
+    squared = ((features - mixed[labels]) ** 2).sum(dim=1)
+    return (selected * squared).sum() / (selected.sum().clamp(min=1.0) * features.shape[1])
 
 
 def relation_class_features(mixed: torch.Tensor, has_mixed: torch.Tensor, global_: torch.Tensor,
