@@ -158,6 +158,33 @@ def test_batchnorm_model_falls_back_with_one_message(digits, capsys):
         assert all(torch.equal(first[cid].buffers[n], outcome.buffers[n]) for n in outcome.buffers)
 
 
+class DropoutNet(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Dropout(p))
+            self.head = nn.Sequential(nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_dropout_model_is_vectorized_with_one_note(digits, capsys):
+    """Dropout masks cannot match the sequential trainer's (global RNG); with p=0 the rest must."""
+    data, _ = digits
+    params = {n: p.detach().clone() for n, p in DropoutNet().named_parameters()}
+    jobs = [FitJob(1, cid, 0, Fit(params), None) for cid in range(3)]
+    runtime = VectorizedRuntime(DropoutNet, SETTINGS, data, device="cpu")
+    got = runtime.fit_many(jobs)
+    runtime.fit_many(jobs)
+    out = capsys.readouterr().out
+    assert out.count("uses dropout") == 1 and "falling back" not in out and runtime.jobs_vectorized == 6
+    assert_outcomes_close(got, reference(DropoutNet, SETTINGS, data, jobs))
+    noisy = VectorizedRuntime(partial(DropoutNet, 0.5), SETTINGS, data, device="cpu").fit_many(jobs)
+    assert all(np.isfinite(outcome.mean_loss) for outcome in noisy.values())
+
+
 def branching_loss(out: Forward, y: torch.Tensor, params, context: Mapping[str, Any]) -> torch.Tensor:
     """Data-dependent Python control flow: fine sequentially, impossible under vmap."""
     loss = F.cross_entropy(out.logits, y)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pfedkit.algorithms.base import Fit, Forward
 from pfedkit.algorithms.params import Params
-from pfedkit.engine.seeds import torch_generator
+from pfedkit.engine.seeds import derive_seed, torch_generator
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,14 @@ class LocalTrainer:
         generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
         self.model.train()
         total, steps, samples = 0.0, 0, 0
-        for batch in self._batches(request, len(y), generator):
-            total += self._step(request, optimizer, trainable, x[batch], y[batch])
-            steps += 1
-            samples += len(batch)
+        # Dropout draws from torch's global generator: seed it per job (and restore it after), so
+        # results do not depend on which clients a process trained before this one.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, f"dropout-{job.index}"))
+            for batch in self._batches(request, len(y), generator):
+                total += self._step(request, optimizer, trainable, x[batch], y[batch])
+                steps += 1
+                samples += len(batch)
         return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples)
 
     def _batches(self, request: Fit, n: int, generator: torch.Generator):

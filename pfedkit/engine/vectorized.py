@@ -23,14 +23,17 @@ How a step's requests are trained:
     group (FedProx's anchor, FedAvg's frozen part) are passed once, not stacked.
 
 What falls back to `LocalTrainer` (one message per reason and run):
-  * models with buffers (BatchNorm running statistics) or dropout (random masks drawn from
-    torch's global RNG): vmap cannot reproduce the sequential trainer's per-client state/stream;
+  * models with buffers (BatchNorm running statistics): vmap training does not update them per
+    client the way the module does in train mode;
   * a group whose loss cannot run under vmap (data-dependent Python control flow such as
     `if tensor.any():`, boolean-mask indexing, `.item()`): the whole group is re-run sequentially
     (nothing is written before a group finishes, so the retry starts from the same inputs).
 
 Results equal the sequential backend's up to float rounding (batched matmuls and reductions sum
-in a different order): parameters agree to ~1e-6 after a few rounds on small models.
+in a different order): parameters agree to ~1e-7 after a few rounds on small models. Models
+with dropout are vectorized too (vmap randomness="different"), with a note: the sequential
+trainer draws its masks from torch's global RNG in client order, so no runtime can reproduce
+them; such runs agree in distribution only. bf16 runs under autocast inside vmap.
 
 Device: CUDA when available, else CPU (one line says which). Fallbacks and evaluations with an
 algorithm's custom `predict` run on the CPU, like the sequential runtime; evaluation otherwise
@@ -94,11 +97,11 @@ def model_blocker(model: nn.Module) -> str | None:
         shown = ", ".join(buffers[:3]) + (", ..." if len(buffers) > 3 else "")
         return (f"the model has buffers ({shown}; e.g. BatchNorm running statistics), which vmap "
                 "training does not update per client")
-    dropout = [name for name, module in model.named_modules() if isinstance(module, nn.modules.dropout._DropoutNd)]
-    if dropout:
-        return (f"the model uses dropout ({', '.join(dropout[:3])}), whose random masks the sequential "
-                "trainer draws from torch's global RNG; vmap cannot reproduce them")
     return None
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.modules.dropout._DropoutNd)]
 
 
 def loss_key(loss: Callable) -> Any:
@@ -155,6 +158,7 @@ class VectorizedRuntime:
         self.names = [name for name, _ in self.model.named_parameters()]
         self.dtypes = {name: p.dtype for name, p in self.model.named_parameters()}
         self.blocker = model_blocker(self.model)
+        self.dropout = dropout_layers(self.model)
         self.trainer = LocalTrainer(build, settings)  # CPU reference for the fallbacks
         self.evaluator = ModelEvaluator(build, data.num_classes)
         self.device_evaluator = ModelEvaluator(lambda: build().to(self.device), data.num_classes) \
@@ -201,11 +205,14 @@ class VectorizedRuntime:
                 groups.append((key, [job]))
         return [members for _, members in groups]
 
-    def _fallback(self, jobs: list[FitJob], category: str, reason: str, outcomes: dict[int, FitOutcome]) -> None:
+    def _note(self, category: str, text: str) -> None:
+        """Print `text` the first time `category` comes up in this run."""
         if category not in self.reported:
             self.reported.add(category)
-            print(f"vectorized runtime: falling back to the sequential trainer (CPU) for these Fit requests "
-                  f"because {reason}; shown once per run", flush=True)
+            print(f"vectorized runtime: {text} (shown once per run)", flush=True)
+
+    def _fallback(self, jobs: list[FitJob], category: str, reason: str, outcomes: dict[int, FitOutcome]) -> None:
+        self._note(category, f"falling back to the sequential trainer (CPU) for these Fit requests because {reason}")
         for job in jobs:
             client = self.data.clients[job.cid]
             outcomes[job.cid] = self.trainer.fit(job, client.x_train, client.y_train)
@@ -221,54 +228,84 @@ class VectorizedRuntime:
         return self._device_data[key]
 
     def _fit_group(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        s, device = self.settings, self.device
-        first = jobs[0].request
-        lr = first.lr or s.lr
-        trainable = [n for n in self.names if first.trainable == "all" or n.startswith(first.trainable + ".")]
-        frozen = [n for n in self.names if n not in trainable]
-        params = {n: torch.stack([job.request.params[n].detach().to(device, self.dtypes[n]) for job in jobs])
-                  for n in trainable}
-        frozen_params = _Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], device, self.dtypes)
-        flat = [tree_flatten(job.request.context) for job in jobs]
-        spec = flat[0][1]
-        constants = {i: leaf for i, leaf in enumerate(flat[0][0]) if not isinstance(leaf, torch.Tensor)}
-        context = _Stacked([{i: leaf for i, leaf in enumerate(leaves) if i not in constants} for leaves, _ in flat],
-                           device)
-        schedules = [batch_schedule(job.request, s, self.data.clients[job.cid].n_train,
-                                    torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")) for job in jobs]
+        jobs, schedules = self._ordered_schedules(jobs)
+        state = self._stack_group(jobs)
+        request = jobs[0].request
+        step = vmap(grad_and_value(self._loss_fn(request.loss, *state["context_layout"])),
+                    in_dims=(0, 0, None, 0, 0, 0, None), randomness="different" if self.dropout else "error")
+        if self.dropout:
+            self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
+                                  "client's masks from torch's global RNG, like the sequential trainer, but not "
+                                  "the same masks, so results agree in distribution, not bit for bit")
         data = [self._client_data(job.cid) for job in jobs]
-        if device.type != "cpu":
-            schedules = [_to_device(schedule, device) for schedule in schedules]
-        momentum = {n: torch.zeros_like(p) for n, p in params.items()} if s.momentum else {}
-        totals = torch.zeros(len(jobs), dtype=torch.float64, device=device)
-        step = vmap(grad_and_value(self._loss_fn(first.loss, spec, constants, len(flat[0][0]))),
-                    in_dims=(0, 0, None, 0, 0, 0, None))
+        totals = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
         for t in range(max((len(schedule) for schedule in schedules), default=0)):
             by_size: dict[int, list[int]] = {}
             for k, schedule in enumerate(schedules):
-                if t < len(schedule):
+                if t < len(schedule):  # clients whose batches have run out are skipped
                     by_size.setdefault(len(schedule[t]), []).append(k)
             for members in by_size.values():
                 xb = torch.stack([data[k][0][schedules[k][t]] for k in members])
                 yb = torch.stack([data[k][1][schedules[k][t]] for k in members])
-                if len(members) == len(jobs):  # everyone: update the stacked tensors in place
-                    grads, loss = step(params, frozen_params.batched, frozen_params.shared, xb, yb,
-                                       context.batched, context.shared)
-                    self._sgd_step(params, grads, momentum, lr)
-                    totals += loss.double()
-                    continue
-                index = torch.tensor(members, device=device)
-                pick = lambda tensors: {n: v.index_select(0, index) for n, v in tensors.items()}  # noqa: E731
-                sub_params, sub_momentum = pick(params), pick(momentum)
-                grads, loss = step(sub_params, pick(frozen_params.batched), frozen_params.shared, xb, yb,
-                                   pick(context.batched), context.shared)
-                self._sgd_step(sub_params, grads, sub_momentum, lr)
-                for n in params:
-                    params[n].index_copy_(0, index, sub_params[n])
-                for n in momentum:
-                    momentum[n].index_copy_(0, index, sub_momentum[n])
-                totals.index_add_(0, index, loss.double())
-        return self._outcomes(jobs, params, trainable, frozen, schedules, totals.cpu())
+                self._train_members(step, state, members, xb, yb, request.lr or self.settings.lr, totals)
+        return self._outcomes(jobs, state["params"], schedules, totals.cpu())
+
+    def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
+        """Each job's mini-batches (seeded as in LocalTrainer), jobs sorted by decreasing number of
+        batches, then last batch size: the clients still training at a step, and those sharing a
+        batch size, then mostly form contiguous ranges of the stack (views, no copies)."""
+        s = self.settings
+        schedules = {job.cid: batch_schedule(job.request, s, self.data.clients[job.cid].n_train,
+                                             torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}"))
+                     for job in jobs}
+        jobs = sorted(jobs, key=lambda job: (-len(schedules[job.cid]),
+                                             -len(schedules[job.cid][-1]) if schedules[job.cid] else 0))
+        ordered = [schedules[job.cid] for job in jobs]
+        if self.device.type != "cpu":
+            ordered = [_to_device(schedule, self.device) for schedule in ordered]
+        return jobs, ordered
+
+    def _stack_group(self, jobs: list[FitJob]) -> dict[str, Any]:
+        """Trainable parameters and momentum stacked [K, ...]; frozen parameters and context
+        tensors stacked or shared; the context's pytree layout with its non-tensor constants."""
+        part = jobs[0].request.trainable
+        trainable = [n for n in self.names if part == "all" or n.startswith(part + ".")]
+        frozen = [n for n in self.names if n not in trainable]
+        params = {n: torch.stack([job.request.params[n].detach().to(self.device, self.dtypes[n]) for job in jobs])
+                  for n in trainable}
+        flat = [tree_flatten(job.request.context) for job in jobs]
+        leaves, spec = flat[0]
+        constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        return {
+            "params": params,
+            "momentum": {n: torch.zeros_like(p) for n, p in params.items()} if self.settings.momentum else {},
+            "frozen": _Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], self.device, self.dtypes),
+            "context": _Stacked([{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants}
+                                 for client_leaves, _ in flat], self.device),
+            "context_layout": (spec, constants, len(leaves)),
+        }
+
+    def _train_members(self, step, state: dict, members: list[int], xb: torch.Tensor, yb: torch.Tensor,
+                       lr: float, totals: torch.Tensor) -> None:
+        """One SGD step of the clients `members` (positions in the group) on their batches."""
+        frozen, context = state["frozen"], state["context"]
+        low, high = members[0], members[-1] + 1
+        contiguous = high - low == len(members)
+        if contiguous:  # views: the update lands in the stacked tensors directly
+            take = lambda tensors: {n: v[low:high] for n, v in tensors.items()}  # noqa: E731
+        else:
+            index = torch.tensor(members, device=self.device)
+            take = lambda tensors: {n: v.index_select(0, index) for n, v in tensors.items()}  # noqa: E731
+        params, momentum = take(state["params"]), take(state["momentum"])
+        grads, loss = step(params, take(frozen.batched), frozen.shared, xb, yb, take(context.batched), context.shared)
+        self._sgd_step(params, grads, momentum, lr)
+        if contiguous:
+            totals[low:high] += loss.double()
+            return
+        for part, updated in (("params", params), ("momentum", momentum)):
+            for n, tensor in updated.items():
+                state[part][n].index_copy_(0, index, tensor)
+        totals.index_add_(0, index, loss.double())
 
     def _loss_fn(self, loss: Callable, spec, constants: dict[int, Any], num_leaves: int):
         """One client's loss as a function of (trainable, frozen batched, frozen shared, x, y,
@@ -318,8 +355,8 @@ class VectorizedRuntime:
             updates = buffers
         torch._foreach_add_(weights, updates, alpha=-lr)
 
-    def _outcomes(self, jobs, params, trainable, frozen, schedules, totals) -> dict[int, FitOutcome]:
-        trained = {n: params[n].cpu() for n in trainable}
+    def _outcomes(self, jobs, params, schedules, totals) -> dict[int, FitOutcome]:
+        trained = {n: tensor.cpu() for n, tensor in params.items()}
         out = {}
         for k, job in enumerate(jobs):
             result = {}
