@@ -18,7 +18,8 @@ from pfedkit.algorithms.base import Fit, Forward
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.config import load_config
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
-from pfedkit.engine.vectorized import VectorizedRuntime, batch_schedule
+from pfedkit.engine.trainer import batch_schedule
+from pfedkit.engine.vectorized import VectorizedRuntime
 from pfedkit.engine.seeds import torch_generator
 from pfedkit.runs import CHECKPOINT, prepare
 
@@ -118,14 +119,17 @@ def test_head_training_leaves_body_unchanged(digits):
             assert changed == name.startswith("head."), name
 
 
-def test_schedule_is_the_sequential_trainers_batches(digits):
-    data, ops = digits
-    trainer = LocalTrainer(ops.build, TrainSettings(local_epochs=3, batch_size=64, lr=0.1, drop_last=True))
-    for request in (Fit({}), Fit({}, steps=9), Fit({}, epochs=1)):
-        ours = batch_schedule(request, trainer.settings, 150, torch_generator(0, 1, 2, "fit-0"))
-        theirs = list(trainer._batches(request, 150, torch_generator(0, 1, 2, "fit-0")))
-        assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert batch_schedule(Fit({}, steps=3), trainer.settings, 20, torch_generator(0, 1, 2, "x")) == []
+def test_batch_schedule_covers_epochs_and_exact_steps():
+    """The one schedule both runtimes use: epochs of a seeded permutation, or exactly `steps`."""
+    settings = TrainSettings(local_epochs=3, batch_size=64, lr=0.1, drop_last=True)
+    epochs = batch_schedule(Fit({}), settings, 150, torch_generator(0, 1, 2, "fit-0"))
+    assert len(epochs) == 3 * 2 and all(len(b) == 64 for b in epochs)  # drop_last drops 22 per epoch
+    first_epoch = torch.cat(epochs[:2])
+    assert len(set(first_epoch.tolist())) == 128  # no sample twice within an epoch
+    assert len(batch_schedule(Fit({}, steps=9), settings, 150, torch_generator(0, 1, 2, "fit-0"))) == 9
+    again = batch_schedule(Fit({}), settings, 150, torch_generator(0, 1, 2, "fit-0"))
+    assert all(torch.equal(a, b) for a, b in zip(epochs, again))
+    assert batch_schedule(Fit({}, steps=3), settings, 20, torch_generator(0, 1, 2, "x")) == []
 
 
 class BatchNormNet(nn.Module):

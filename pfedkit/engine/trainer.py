@@ -59,6 +59,24 @@ def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Gener
     return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
 
 
+def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """All mini-batch index tensors of one request, in order: `request.epochs` epochs (default
+    the config's local_epochs), or exactly `request.steps` batches drawn epoch by epoch."""
+    epochs = request.epochs or settings.local_epochs
+    batches: list[torch.Tensor] = []
+    epoch = 0
+    while request.steps is not None or epoch < epochs:
+        order = batch_order(n, settings.batch_size, settings.drop_last, generator)
+        if not order:
+            break  # fewer samples than one batch with drop_last: nothing to train on
+        for batch in order:
+            if request.steps is not None and len(batches) == request.steps:
+                return batches
+            batches.append(batch)
+        epoch += 1
+    return batches
+
+
 class LocalTrainer:
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings) -> None:
         self.model = build()
@@ -79,27 +97,11 @@ class LocalTrainer:
         # results do not depend on which clients a process trained before this one.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, f"dropout-{job.index}"))
-            for batch in self._batches(request, len(y), generator):
+            for batch in batch_schedule(request, s, len(y), generator):
                 total += self._step(request, optimizer, trainable, x[batch], y[batch])
                 steps += 1
                 samples += len(batch)
         return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples)
-
-    def _batches(self, request: Fit, n: int, generator: torch.Generator):
-        """Mini-batches for `request.epochs` epochs, or exactly `request.steps` batches."""
-        s = self.settings
-        epochs = request.epochs or s.local_epochs
-        produced, epoch = 0, 0
-        while request.steps is not None or epoch < epochs:
-            batches = batch_order(n, s.batch_size, s.drop_last, generator)
-            if not batches:
-                return  # fewer samples than one batch with drop_last: nothing to train on
-            for batch in batches:
-                if request.steps is not None and produced == request.steps:
-                    return
-                produced += 1
-                yield batch
-            epoch += 1
 
     def _step(self, request: Fit, optimizer, trainable, xb, yb) -> float:
         optimizer.zero_grad(set_to_none=True)

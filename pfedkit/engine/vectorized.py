@@ -56,7 +56,7 @@ from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.runtime import EvalItem, ModelEvaluator
 from pfedkit.engine.seeds import torch_generator
-from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_order
+from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 
 EVAL_BATCH = 1000  # the sequential evaluator's chunk size (same chunks -> same loss sums)
@@ -70,24 +70,6 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"{device} (no CUDA device available)" if not torch.cuda.is_available() else str(device)
-
-
-def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """All mini-batch index tensors of one request, in order: `LocalTrainer._batches` as a list
-    (request.epochs epochs, or exactly request.steps batches, drawn epoch by epoch)."""
-    epochs = request.epochs or settings.local_epochs
-    batches: list[torch.Tensor] = []
-    epoch = 0
-    while request.steps is not None or epoch < epochs:
-        order = batch_order(n, settings.batch_size, settings.drop_last, generator)
-        if not order:
-            break  # fewer samples than one batch with drop_last: nothing to train on
-        for batch in order:
-            if request.steps is not None and len(batches) == request.steps:
-                return batches
-            batches.append(batch)
-        epoch += 1
-    return batches
 
 
 def model_blocker(model: nn.Module) -> str | None:
@@ -235,7 +217,7 @@ class VectorizedRuntime:
                     in_dims=(0, 0, None, 0, 0, 0, None), randomness="different" if self.dropout else "error")
         if self.dropout:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
-                                  "client's masks from torch's global RNG, like the sequential trainer, but not "
+                                  "client's masks from its own generator, the sequential trainer from a per-job seed; not "
                                   "the same masks, so results agree in distribution, not bit for bit")
         data = [self._client_data(job.cid) for job in jobs]
         totals = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
