@@ -6,6 +6,7 @@ reference. Every runtime has the same two methods, so the round loop never knows
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,18 @@ from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 # (cid, params, buffers, predict): predict maps body features to logits when the algorithm does
 # not use the model's head for prediction, else None.
 EvalItem = tuple[int, Params, Params | None, Callable[[torch.Tensor], torch.Tensor] | None]
+
+
+@contextlib.contextmanager
+def thread_count(threads: int | None):
+    """torch's thread count is process-wide: set it for one runtime call only (None: unchanged)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class ModelEvaluator:
@@ -47,23 +60,23 @@ class SequentialRuntime:
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  threads: int | None = None) -> None:
-        self.previous_threads = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
         self.trainer = LocalTrainer(build, settings)
         self.evaluator = ModelEvaluator(build, data.num_classes)
         self.data = data
 
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        return {job.cid: self.trainer.fit(job, self.data.clients[job.cid].x_train,
-                                          self.data.clients[job.cid].y_train) for job in jobs}
+        with thread_count(self.threads):
+            return {job.cid: self.trainer.fit(job, self.data.clients[job.cid].x_train,
+                                              self.data.clients[job.cid].y_train) for job in jobs}
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         out = {}
-        for cid, params, buffers, predict in items:
-            client = self.data.clients[cid]
-            out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
+        with thread_count(self.threads):
+            for cid, params, buffers, predict in items:
+                client = self.data.clients[cid]
+                out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
         return out
 
     def close(self) -> None:
-        torch.set_num_threads(self.previous_threads)  # the thread count is process-wide
+        pass

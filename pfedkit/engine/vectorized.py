@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pfedkit.algorithms.base import Fit, Forward
 from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.runtime import EvalItem, ModelEvaluator
+from pfedkit.engine.runtime import EvalItem, ModelEvaluator, thread_count
 from pfedkit.engine.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
@@ -130,9 +130,7 @@ class VectorizedRuntime:
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  threads: int | None = None, device: str | torch.device | None = None) -> None:
-        self.previous_threads = torch.get_num_threads()
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
         self.settings, self.data = settings, data
         self.device = torch.device(device) if device is not None else default_device()
         print(f"vectorized runtime: training on {describe_device(self.device)}", flush=True)
@@ -152,6 +150,10 @@ class VectorizedRuntime:
 
     # ------------------------------------------------------------------ training
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+        with thread_count(self.threads):
+            return self._fit_all(jobs)
+
+    def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         outcomes: dict[int, FitOutcome] = {}
         for job in jobs:
             missing = set(self.names) - set(job.request.params)
@@ -352,6 +354,10 @@ class VectorizedRuntime:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
+        with thread_count(self.threads):
+            return self._evaluate_all(items)
+
+    def _evaluate_all(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         out = {}
         for cid, params, buffers, predict in items:
             client = self.data.clients[cid]
@@ -379,7 +385,6 @@ class VectorizedRuntime:
                                   batch_size=EVAL_BATCH)
 
     def close(self) -> None:
-        torch.set_num_threads(self.previous_threads)  # the thread count is process-wide
         self._device_data.clear()
 
 
