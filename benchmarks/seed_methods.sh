@@ -11,10 +11,10 @@ COMMON="data_dir=$DATA out_dir=$OUT backend=processes workers=2 seed=0 -q"
 
 for method in $METHODS; do
   case $method in
-  fedrema)  # FedReMa Table 1, MNIST: group_dominant s=0.2, 600/client, 80/20, B=100, SGD 0.01 mom 0.9 clip 10 (E=5 -> 1, T=500 -> 30)
+  fedrema)  # FedReMa Table 1, MNIST: group_dominant s=0.2, 600/client, 80/20, B=100, SGD 0.01 mom 0.9 clip 10 (E=5, T=500 -> 20)
     pfedkit compare --algorithms fedrema,fedavg,local $COMMON dataset=mnist model=cnn num_clients=20 \
       partition.scheme=group_dominant partition.s=0.2 partition.samples_per_client=600 partition.train_ratio=0.8 \
-      batch_size=100 lr=0.01 momentum=0.9 grad_clip=10 drop_last=true local_epochs=1 rounds=30 ;;
+      batch_size=100 lr=0.01 momentum=0.9 grad_clip=10 drop_last=true local_epochs=5 rounds=20 ;;
   cwfedavg)  # cwFedAvg Table 1, MNIST pathological 2 classes/client, 75/25, B=10, SGD 0.005, E=1 (T=1000 -> 10)
     pfedkit compare --algorithms cwfedavg,fedavg,local $COMMON dataset=mnist model=cnn num_clients=20 \
       partition.scheme=pathological partition.classes_per_client=2 batch_size=10 lr=0.005 local_epochs=1 rounds=10 ;;
