@@ -159,7 +159,7 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)
             if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
-                save_progress(run_dir, state, config, context.data)
+                save_progress(run_dir, state)
     finally:
         bar.close()
         context.runtime.close()
@@ -167,7 +167,7 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
     return Result(finish_summary(run_dir, state, config, context.data), metrics, run_dir)
 
 
-def save_progress(run_dir: Path, state: SimState, config: Config, data: FederatedData) -> None:
+def save_progress(run_dir: Path, state: SimState) -> None:
     """Metrics first, then the checkpoint: a kill between them only repeats a round on resume."""
     metrics = pd.DataFrame(state.rows)
     atomic_write_text(run_dir / "metrics.csv", metrics.to_csv(index=False))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,5 +142,3 @@ class Simulation:
             })
         return rows
 
-
-ProgressFn = Callable[[RoundReport], None]

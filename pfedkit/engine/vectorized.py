@@ -51,7 +51,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pfedkit.algorithms.base import Fit, Forward
+from pfedkit.algorithms.base import Forward
 from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.runtime import EvalItem, ModelEvaluator, thread_count
