@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -74,6 +81,9 @@ class Config(BaseModel):
     dataset: str = "digits"
     model: str = Field("auto", description="auto: the dataset's default model")
     model_options: dict[str, Any] = Field(default_factory=dict)
+    client_model_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description='heterogeneous models: {"0-6": {"c2": 18}, ...} merged over '
+        "model_options for those clients (only algorithms that never average parameters)")
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     num_clients: int = Field(10, ge=1)
     join_ratio: float = Field(1.0, gt=0, le=1)
@@ -96,6 +106,12 @@ class Config(BaseModel):
     out_dir: str = "runs"
     name: str | None = Field(None, description="run directory name (default: algorithm-dataset-timestamp)")
     checkpoint_every: int = Field(1, ge=1)
+
+    @field_validator("client_model_options", mode="before")
+    @classmethod
+    def _range_keys_as_text(cls, value: Any) -> Any:
+        # YAML reads a single-client key such as 5 as an int; ranges are always text.
+        return {str(key): options for key, options in value.items()} if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _check_algorithm_sections(self) -> "Config":
@@ -175,7 +191,46 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
     for name in config.model_extra or {}:
         config.hyper(name)
     check_against_dataset(config)
+    per_client_model_options(config)
     return config
+
+
+def parse_client_range(key: str, num_clients: int) -> range:
+    """`"0-6"` -> clients 0..6, `"5"` -> client 5; ConfigError if malformed or out of range."""
+    where = f"client_model_options.{key}"
+    parts = str(key).strip().split("-")
+    if len(parts) not in (1, 2) or not all(part.strip().isdigit() for part in parts):
+        raise ConfigError(f"{where}: expected a client id or a range like 0-6")
+    first, last = int(parts[0]), int(parts[-1])
+    if first > last:
+        raise ConfigError(f"{where}: range starts after it ends; expected first-last with first <= last")
+    if last >= num_clients:
+        raise ConfigError(f"{where}: client {last} does not exist; allowed: 0..{num_clients - 1}")
+    return range(first, last + 1)
+
+
+def per_client_model_options(config: Config) -> list[dict[str, Any]] | None:
+    """Each client's model options (`model_options` with its `client_model_options` range merged
+    over), or None when all clients share `model_options`. Raises ConfigError for bad ranges,
+    overlaps, or an algorithm that averages parameters."""
+    if not config.client_model_options:
+        return None
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+
+    if not get_algorithm(config.algorithm).supports_heterogeneous_models:
+        allowed = [name for name in algorithm_names() if get_algorithm(name).supports_heterogeneous_models]
+        raise ConfigError(f"client_model_options: algorithm {config.algorithm} averages model parameters and "
+                          f"needs one architecture; allowed with: {', '.join(allowed)}")
+    options: list[dict[str, Any]] = [dict(config.model_options) for _ in range(config.num_clients)]
+    owner: dict[int, str] = {}
+    for key, extra in config.client_model_options.items():
+        for cid in parse_client_range(key, config.num_clients):
+            if cid in owner:
+                raise ConfigError(f"client_model_options.{key}: overlaps {owner[cid]} at client {cid}; "
+                                  "ranges must not overlap")
+            owner[cid] = key
+            options[cid].update(extra)
+    return options
 
 
 def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:

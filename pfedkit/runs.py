@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pfedkit.algorithms import get_algorithm
 from pfedkit.algorithms.base import Setup
 from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_text
-from pfedkit.config import Config, ConfigError, load_config
+from pfedkit.config import Config, ConfigError, load_config, per_client_model_options
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
 from pfedkit.engine.model_ops import ModelOps
@@ -79,16 +79,49 @@ def model_name(config: Config) -> str:
     return default_model(config.dataset) if config.model == "auto" else config.model
 
 
-def model_builder(config: Config, input_shape, num_classes: int, head: str, channels_last: bool):
+def model_builder(config: Config, input_shape, num_classes: int, head: str, channels_last: bool,
+                  options: dict[str, Any] | None = None):
+    """A builder of the run's model with `options` (default: `model_options`)."""
     name = model_name(config)
+    options = dict(config.model_options if options is None else options)
 
     def build():
         # Every instance starts from the same seeded weights; the global RNG is left untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0, SERVER, "model-init"))
-            model = build_model(name, tuple(input_shape), num_classes, head=head, **config.model_options)
+            model = build_model(name, tuple(input_shape), num_classes, head=head, **options)
         return model.to(memory_format=torch.channels_last) if channels_last else model
     return build
+
+
+def architecture_key(options: dict[str, Any]) -> tuple:
+    """Identifies an architecture: its model options, sorted (values as YAML would write them)."""
+    return tuple(sorted((name, json.dumps(value, sort_keys=True)) for name, value in options.items()))
+
+
+@dataclass
+class Architectures:
+    """The run's model builders: `build` (the default, from `model_options`), and with
+    `client_model_options` one builder per distinct architecture (`builds`) and each client's key."""
+    build: Any
+    builds: dict[tuple, Any] | None = None
+    model_keys: list[tuple] | None = None
+
+    def build_for(self, cid: int):
+        return self.build if self.model_keys is None else self.builds[self.model_keys[cid]]
+
+
+def architectures(config: Config, input_shape, num_classes: int, head: str, channels_last: bool) -> Architectures:
+    build = model_builder(config, input_shape, num_classes, head, channels_last)
+    per_client = per_client_model_options(config)
+    if per_client is None:
+        return Architectures(build)
+    builds = {architecture_key(config.model_options): build}
+    keys = [architecture_key(options) for options in per_client]
+    for key, options in zip(keys, per_client):
+        if key not in builds:
+            builds[key] = model_builder(config, input_shape, num_classes, head, channels_last, options)
+    return Architectures(build, builds, keys)
 
 
 def uses_channels_last(config: Config, input_shape) -> bool:
@@ -106,17 +139,26 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     else:
         data = build_federated(config, dataset, channels_last)
     algo_cls = get_algorithm(config.algorithm)
-    build = model_builder(config, data.input_shape, data.num_classes, algo_cls.head, channels_last)
-    ops = ModelOps(build)
-    setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops)
+    archs = architectures(config, data.input_shape, data.num_classes, algo_cls.head, channels_last)
+    try:
+        ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
+    except ValueError as err:  # a model option the model does not have, or a bad value
+        raise ConfigError(f"model_options / client_model_options: {err}") from None
+    ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
+    client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
+    setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops,
+                  client_ops)
     algorithm = algo_cls(config.hyper(), setup)
-    runtime = make_runtime(config, build, data)
+    runtime = make_runtime(config, archs, data)
     simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
                             join_ratio=config.join_ratio, eval_every=config.eval_every)
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
     else:
-        state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
+        state = simulation.initial_state(
+            ops.initial_params(), ops.initial_buffers(),
+            client_params=None if client_ops is None else [o.initial_params() for o in client_ops],
+            client_buffers=None if client_ops is None else [o.initial_buffers() for o in client_ops])
     return Prepared(data, simulation, state, runtime)
 
 
@@ -125,15 +167,19 @@ def train_settings(config: Config) -> TrainSettings:
                          config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed)
 
 
-def make_runtime(config: Config, build, data: FederatedData):
+def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData):
+    """The configured runtime; `archs`: the run's Architectures (or one model builder)."""
+    if not isinstance(archs, Architectures):
+        archs = Architectures(archs)
     settings = train_settings(config)
+    build, extra = archs.build, {"builds": archs.builds, "model_keys": archs.model_keys}
     if config.backend == "sequential":
-        return SequentialRuntime(build, settings, data, threads=config.threads)
+        return SequentialRuntime(build, settings, data, threads=config.threads, **extra)
     if config.backend == "processes":
-        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads)
+        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads, **extra)
     if config.backend == "vectorized":
         from pfedkit.engine.vectorized import VectorizedRuntime
-        return VectorizedRuntime(build, settings, data, threads=config.threads)
+        return VectorizedRuntime(build, settings, data, threads=config.threads, **extra)
     raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential, processes, vectorized")
 
 

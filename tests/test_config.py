@@ -44,6 +44,11 @@ BAD_CASES = [
     (["join_ratio=1.5"], "join_ratio"),
     (["backend=gpu"], "backend"),
     (["lr"], "lr"),
+    (['client_model_options={"0-3": {}}'], "client_model_options: algorithm fedavg averages"),
+    (["algorithm=local", 'client_model_options={"0-5": {}, "5-9": {}}'], "client_model_options.5-9"),
+    (["algorithm=local", 'client_model_options={"3-12": {}}'], "client_model_options.3-12"),
+    (["algorithm=local", 'client_model_options={"a-b": {}}'], "client_model_options.a-b"),
+    (["algorithm=local", 'client_model_options={"6-2": {}}'], "client_model_options.6-2"),
 ]
 
 

@@ -243,7 +243,7 @@ def test_upload_is_classes_times_d_plus_one_numbers_and_no_parameter_leaves_the_
 
 def test_clients_with_different_conv_widths_share_features_without_error():
     """pFedPM-mh's algorithmic side: clients whose CNNs differ (conv2 width 18/20/22) exchange
-    only d = 50 features. (The engine itself cannot run this yet: one architecture per run.)"""
+    only d = 50 features. (End-to-end runs: tests/test_model_heterogeneity.py.)"""
     shape = (1, 28, 28)
     algos, trainers, clients, data = [], [], [], []
     for cid, width in enumerate((18, 20, 22)):

@@ -108,6 +108,12 @@ class Setup:
     seed: int
     local_epochs: int
     ops: Any  # pfedkit.engine.model_ops.ModelOps: functional forward for server-side math
+    # Heterogeneous models (config `client_model_options`): client cid's ModelOps; None: all use `ops`.
+    client_ops: tuple[Any, ...] | None = None
+
+    def ops_for(self, cid: int) -> Any:
+        """The ModelOps of client `cid`'s architecture (`ops`, the default one, unless models differ)."""
+        return self.ops if self.client_ops is None else self.client_ops[cid]
 
 
 class Algorithm:
@@ -116,6 +122,9 @@ class Algorithm:
     description: ClassVar[str] = ""
     head: ClassVar[str] = "last"  # which layers form the head: "last" Linear or all "fc" layers
     Hyper: ClassVar[type[BaseModel]] = NoHyper
+    # True when clients may use different architectures (config `client_model_options`): the
+    # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
+    supports_heterogeneous_models: ClassVar[bool] = False
 
     def __init__(self, hyper: BaseModel, setup: Setup) -> None:
         self.h = hyper

@@ -11,6 +11,7 @@ from pfedkit.algorithms.params import Params, clone
 class Local(Algorithm):
     name = "local"
     description = "Local: each client trains alone, no communication"
+    supports_heterogeneous_models = True
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}

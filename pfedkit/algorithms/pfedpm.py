@@ -26,9 +26,9 @@ parameters, and psi is not one of them):
      mini-batches from `seeds.torch_generator(seed, round, cid, "rpfedpm")`.
   This is block-coordinate (body then psi) instead of the simultaneous SGD of one joint loss.
 
-pFedPM-mh (clients with CNNs of different widths, spec §2.9) is not available: the engine builds
-one architecture per run. The algorithm itself only exchanges d-dimensional features, so it needs
-no change; the engine needs per-client model builders.
+pFedPM-mh (clients with models of different architectures, spec §2.9): config
+`client_model_options`; client features are computed with `setup.ops_for(cid)`, the client's own
+architecture. Only d-dimensional features travel, so all architectures must share d.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
 from pfedkit.algorithms.params import Params, clone
+from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, derive_seed, torch_generator
 from pfedkit.engine.trainer import batch_order
 from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
@@ -228,6 +229,7 @@ def message_to_table(features: Mapping[int, torch.Tensor], num_classes: int, fea
 @register
 class PFedPM(Algorithm):
     name = "pfedpm"
+    supports_heterogeneous_models = True  # only features travel (pFedPM-mh, spec §2.9)
     description = "pFedPM: clients exchange per-class mean features; local loss pulls features to a local/global mix"
     head = "last"  # body = up to the 50-d fc1 feature, decision head = fc2 (spec §2.2)
 
@@ -264,6 +266,10 @@ class PFedPM(Algorithm):
     def __init__(self, hyper: BaseModel, setup) -> None:
         super().__init__(hyper, setup)
         self.feature_dim = int(setup.ops.template.feature_dim)
+        dims = {int(setup.ops_for(cid).template.feature_dim) for cid in range(setup.num_clients)}
+        if dims != {self.feature_dim}:
+            raise ConfigError(f"client_model_options: {self.name} exchanges features, so every client's model "
+                              f"needs the same feature dimension; got {sorted(dims | {self.feature_dim})}")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -292,7 +298,8 @@ class PFedPM(Algorithm):
 
     def local_features(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Body outputs of the training data (eval mode, no grad) and eq. (6) -> (h, means, counts)."""
-        features = torch.cat([self.setup.ops.features(params, data.x_train[start:start + FEATURE_CHUNK])
+        ops = self.setup.ops_for(data.cid)
+        features = torch.cat([ops.features(params, data.x_train[start:start + FEATURE_CHUNK])
                               for start in range(0, data.n_train, FEATURE_CHUNK)]).float()
         means, counts = class_means(features, data.y_train, self.setup.num_classes)
         return features, means, counts
@@ -426,7 +433,7 @@ class RPFedPM(PFedPM):
         """
         available = client["available"]
         if not bool(available.any()):
-            return self.setup.ops.head_logits(client["params"], features)
+            return self.setup.ops_for(cid).head_logits(client["params"], features)
         class_ids = available.nonzero().squeeze(1)
         scores = relation_scores(client["relation"], features, client["class_features"][class_ids],
                                  training=False, buffers=client["relation_stats"])

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.runtime import EvalItem, ModelEvaluator
+from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
 from pfedkit.evaluation import ClientEval
 
@@ -26,22 +26,24 @@ from pfedkit.evaluation import ClientEval
 _WORKER: dict = {}
 
 
-def _init_worker(build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData, threads: int) -> None:
+def _init_worker(build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData, threads: int,
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
     torch.set_num_threads(threads)
-    _WORKER["trainer"] = LocalTrainer(build, settings)
-    _WORKER["evaluator"] = ModelEvaluator(build, data.num_classes)
+    _WORKER["trainer"] = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
+    _WORKER["evaluator"] = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
     _WORKER["data"] = data
 
 
 def _fit(job: FitJob) -> tuple[int, FitOutcome]:
     client = _WORKER["data"].clients[job.cid]
-    return job.cid, _WORKER["trainer"].fit(job, client.x_train, client.y_train)
+    return job.cid, _WORKER["trainer"](job.cid).fit(job, client.x_train, client.y_train)
 
 
 def _evaluate(item: EvalItem) -> tuple[int, ClientEval]:
     cid, params, buffers, _ = item
     client = _WORKER["data"].clients[cid]
-    return cid, _WORKER["evaluator"].evaluate(params, buffers, client.x_test, client.y_test)
+    return cid, _WORKER["evaluator"](cid).evaluate(params, buffers, client.x_test, client.y_test)
 
 
 def default_workers() -> int:
@@ -52,15 +54,17 @@ class ProcessRuntime:
     name = "processes"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 workers: int | None = None, threads: int | None = None) -> None:
+                 workers: int | None = None, threads: int | None = None,
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
         if "fork" not in mp.get_all_start_methods():
             raise RuntimeError("the processes backend needs the 'fork' start method (Linux); use backend=sequential")
         self.data = data
         self.workers = workers or default_workers()
         self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_worker,
-                                                initargs=(build, settings, data, threads or 1))
+                                                initargs=(build, settings, data, threads or 1, builds, model_keys))
         # Custom-predict evaluations (closures over algorithm state) stay in this process.
-        self.local_evaluator = ModelEvaluator(build, data.num_classes)
+        self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         by_size = sorted(jobs, key=lambda job: (-self.data.clients[job.cid].n_train, job.cid))
@@ -72,7 +76,7 @@ class ProcessRuntime:
         for cid, params, buffers, predict in items:
             if predict is not None:
                 client = self.data.clients[cid]
-                results[cid] = self.local_evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
+                results[cid] = self.local_evaluator(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
         return results
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ reference. Every runtime has the same two methods, so the round loop never knows
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,34 @@ def thread_count(threads: int | None):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+class ByArchitecture:
+    """One object (a trainer, an evaluator) per model architecture, picked by client id.
+
+    With heterogeneous models (`client_model_options`) clients use different architectures:
+    `builds` maps an architecture key to its model builder and `model_keys[cid]` names the key of
+    client `cid`. Without them every client uses `build`. Other architectures' objects are made on
+    first use.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], make: Callable[[Callable[[], nn.Module]], object],
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
+        self.build, self.make = build, make
+        self.builds = dict(builds or {})
+        self.model_keys = model_keys
+        self.default = make(build)  # the object for `build` (the default architecture)
+        self.objects: dict[Hashable, object] = {}
+
+    def __call__(self, cid: int):
+        if self.model_keys is None:
+            return self.default
+        key = self.model_keys[cid]
+        if key not in self.objects:
+            build = self.builds[key]
+            self.objects[key] = self.default if build is self.build else self.make(build)
+        return self.objects[key]
 
 
 class ModelEvaluator:
@@ -59,15 +87,17 @@ class SequentialRuntime:
     name = "sequential"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
         self.threads = threads
-        self.trainer = LocalTrainer(build, settings)
-        self.evaluator = ModelEvaluator(build, data.num_classes)
+        self.trainers = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
+        self.evaluators = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
+        self.trainer, self.evaluator = self.trainers.default, self.evaluators.default  # default architecture
         self.data = data
 
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         with thread_count(self.threads):
-            return {job.cid: self.trainer.fit(job, self.data.clients[job.cid].x_train,
+            return {job.cid: self.trainers(job.cid).fit(job, self.data.clients[job.cid].x_train,
                                               self.data.clients[job.cid].y_train) for job in jobs}
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
@@ -75,7 +105,7 @@ class SequentialRuntime:
         with thread_count(self.threads):
             for cid, params, buffers, predict in items:
                 client = self.data.clients[cid]
-                out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
+                out[cid] = self.evaluators(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
         return out
 
     def close(self) -> None:

@@ -83,10 +83,15 @@ class Simulation:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
 
-    def initial_state(self, params, buffers) -> SimState:
-        algo = self.algorithm
-        clients = [algo.init_client(cid, params) for cid in range(self.data.num_clients)]
-        return SimState(0, algo.init_server(params), clients, [buffers] * self.data.num_clients)
+    def initial_state(self, params, buffers, client_params: list | None = None,
+                      client_buffers: list | None = None) -> SimState:
+        """`params`/`buffers`: the default architecture's initial weights (the server's, and every
+        client's unless `client_params`/`client_buffers` give each client its own: heterogeneous models)."""
+        algo, n = self.algorithm, self.data.num_clients
+        client_params = client_params or [params] * n
+        client_buffers = client_buffers or [buffers] * n
+        clients = [algo.init_client(cid, client_params[cid]) for cid in range(n)]
+        return SimState(0, algo.init_server(params), clients, list(client_buffers))
 
     def run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1

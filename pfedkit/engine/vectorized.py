@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pfedkit.algorithms.base import Forward
 from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.runtime import EvalItem, ModelEvaluator, thread_count
+from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator, thread_count
 from pfedkit.engine.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
@@ -129,7 +129,9 @@ class VectorizedRuntime:
     name = "vectorized"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 threads: int | None = None, device: str | torch.device | None = None) -> None:
+                 threads: int | None = None, device: str | torch.device | None = None,
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
         self.threads = threads
         self.settings, self.data = settings, data
         self.device = torch.device(device) if device is not None else default_device()
@@ -139,8 +141,12 @@ class VectorizedRuntime:
         self.dtypes = {name: p.dtype for name, p in self.model.named_parameters()}
         self.blocker = model_blocker(self.model)
         self.dropout = dropout_layers(self.model)
-        self.trainer = LocalTrainer(build, settings)  # CPU reference for the fallbacks
-        self.evaluator = ModelEvaluator(build, data.num_classes)
+        # CPU reference for the fallbacks, one per architecture. With heterogeneous models only the
+        # clients whose builder is `build` are batched; the others train sequentially.
+        self.trainers = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
+        self.evaluators = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
+        self.trainer, self.evaluator = self.trainers.default, self.evaluators.default
+        self.batchable = None if model_keys is None else [(builds or {})[key] is build for key in model_keys]
         self.device_evaluator = ModelEvaluator(lambda: build().to(self.device), data.num_classes) \
             if self.device.type != "cpu" else None
         self.reported: set[str] = set()
@@ -154,6 +160,20 @@ class VectorizedRuntime:
             return self._fit_all(jobs)
 
     def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+        outcomes: dict[int, FitOutcome] = {}
+        if self.batchable is not None:
+            other = [job for job in jobs if not self.batchable[job.cid]]
+            if other:
+                self._fallback(other, "architecture", "these clients use another model architecture "
+                               "(client_model_options)", outcomes)
+                jobs_left = [job for job in jobs if self.batchable[job.cid]]
+                if jobs_left:
+                    outcomes.update(self._fit_all_same(jobs_left))
+                return {job.cid: outcomes[job.cid] for job in jobs}
+        return self._fit_all_same(jobs)
+
+    def _fit_all_same(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+        """Jobs of clients that all use the template's architecture."""
         outcomes: dict[int, FitOutcome] = {}
         for job in jobs:
             missing = set(self.names) - set(job.request.params)
@@ -199,7 +219,7 @@ class VectorizedRuntime:
         self._note(category, f"falling back to the sequential trainer (CPU) for these Fit requests because {reason}")
         for job in jobs:
             client = self.data.clients[job.cid]
-            outcomes[job.cid] = self.trainer.fit(job, client.x_train, client.y_train)
+            outcomes[job.cid] = self.trainers(job.cid).fit(job, client.x_train, client.y_train)
         self.jobs_sequential += len(jobs)
 
     def _client_data(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,8 +381,9 @@ class VectorizedRuntime:
         out = {}
         for cid, params, buffers, predict in items:
             client = self.data.clients[cid]
-            if self.device_evaluator is None or predict is not None:
-                out[cid] = self.evaluator.evaluate(params, buffers, client.x_test, client.y_test, predict)
+            other_model = self.batchable is not None and not self.batchable[cid]
+            if self.device_evaluator is None or predict is not None or other_model:
+                out[cid] = self.evaluators(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
             else:
                 out[cid] = self._evaluate_on_device(cid, params, buffers)
         return out
