@@ -149,6 +149,7 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops,
                   client_ops)
     algorithm = algo_cls(config.hyper(), setup)
+    algorithm.check()
     runtime = make_runtime(config, archs, data)
     simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
                             join_ratio=config.join_ratio, eval_every=config.eval_every)

@@ -37,6 +37,9 @@ class Forward(NamedTuple):
     """What a loss sees of the model's forward pass on a mini-batch."""
     features: torch.Tensor  # body output h, [B, d]
     logits: torch.Tensor    # head output z, [B, C]
+    # Positions of the batch's samples in the client's training set, [B] int64: lets a loss read
+    # per-sample context (e.g. a frozen teacher's logits computed once per Fit) as context[...][index].
+    index: torch.Tensor | None = None
 
 
 # A loss is a pure function of (forward output, labels, live parameters, request context). Use
@@ -70,6 +73,10 @@ class Fit:
     def __post_init__(self) -> None:
         if self.trainable not in ("all", "body", "head"):
             raise ValueError(f"Fit.trainable must be 'all', 'body' or 'head', got {self.trainable!r}")
+        for name in ("epochs", "steps", "lr"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"Fit.{name} must be >= 0 or None (the config's value), got {value!r}")
 
 
 ClientUpdate = Generator[Fit, Params, tuple[Any, Message]]
@@ -89,6 +96,16 @@ class ClientData:
     x_test: torch.Tensor
     y_test: torch.Tensor
     class_counts: np.ndarray  # training samples per class, [C]
+    # The engine sets this when it runs client_update: it returns the client's CURRENT BatchNorm
+    # statistics (updated by each of its Fit requests), see `buffers`.
+    buffers_source: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor] | None:
+        """The client's own model buffers (BatchNorm running statistics) as they are now, after its
+        latest Fit; None for models without buffers. Use them for any forward pass on the client's
+        model outside training (features, prototypes, teacher logits): `ops.features(p, x, data.buffers)`."""
+        return self.buffers_source() if self.buffers_source is not None else None
 
     @property
     def n_train(self) -> int:
@@ -151,6 +168,10 @@ class Algorithm:
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
         """Draw this algorithm's diagnostics as PNGs into out_dir; returns the files written."""
         return []
+
+    def check(self) -> None:
+        """Raise `pfedkit.config.ConfigError` when an option does not fit the run's model or data
+        (one line: the option, the limit, the fix). Called once before the run directory exists."""
 
     def init_server(self, params: Params) -> Any:
         return None

@@ -6,6 +6,7 @@ at once, which is what lets a runtime train them in parallel or as one batched c
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pfedkit.algorithms.base import Algorithm, ClientUpdate, Message, message_bytes
+from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
@@ -101,7 +102,7 @@ class Simulation:
         cids = sample_clients(self.seed, rnd, n, self.join_ratio)
         messages = algo.broadcast(rnd, state.server, cids)
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
-                                           self.data.clients[cid]) for cid in cids}
+                                           self.client_view(cid, state)) for cid in cids}
         new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers)
         for cid, client_state in new_states.items():
             state.clients[cid] = client_state
@@ -116,6 +117,10 @@ class Simulation:
                     if evals else None)
         samples = sum(s["samples"] for s in stats.values())
         return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
+
+    def client_view(self, cid: int, state: SimState) -> ClientData:
+        """Client `cid`'s data, with `buffers` reading its current BatchNorm statistics."""
+        return dataclasses.replace(self.data.clients[cid], buffers_source=lambda: state.buffers[cid])
 
     def _evaluate(self, state: SimState):
         algo = self.algorithm

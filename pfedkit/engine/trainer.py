@@ -52,6 +52,11 @@ class FitOutcome:
     samples: int  # training samples processed (for throughput figures)
 
 
+def request_lr(request: Fit, settings: TrainSettings) -> float:
+    """The request's learning rate; None means the config's (0 is a real value: no update)."""
+    return settings.lr if request.lr is None else request.lr
+
+
 def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Generator) -> list[torch.Tensor]:
     """One epoch's mini-batch index tensors, from a seeded permutation."""
     order = torch.randperm(n, generator=generator)
@@ -62,7 +67,7 @@ def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Gener
 def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
     """All mini-batch index tensors of one request, in order: `request.epochs` epochs (default
     the config's local_epochs), or exactly `request.steps` batches drawn epoch by epoch."""
-    epochs = request.epochs or settings.local_epochs
+    epochs = settings.local_epochs if request.epochs is None else request.epochs
     batches: list[torch.Tensor] = []
     epoch = 0
     while request.steps is not None or epoch < epochs:
@@ -88,7 +93,7 @@ class LocalTrainer:
         request, s = job.request, self.settings
         self._load(request.params, job.buffers)
         trainable = self._set_trainable(request.trainable)
-        optimizer = torch.optim.SGD(trainable, lr=request.lr or s.lr, momentum=s.momentum,
+        optimizer = torch.optim.SGD(trainable, lr=request_lr(request, s), momentum=s.momentum,
                                     weight_decay=s.weight_decay, foreach=True)
         generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
         self.model.train()
@@ -98,17 +103,17 @@ class LocalTrainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, f"dropout-{job.index}"))
             for batch in batch_schedule(request, s, len(y), generator):
-                total += self._step(request, optimizer, trainable, x[batch], y[batch])
+                total += self._step(request, optimizer, trainable, x[batch], y[batch], batch)
                 steps += 1
                 samples += len(batch)
         return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples)
 
-    def _step(self, request: Fit, optimizer, trainable, xb, yb) -> float:
+    def _step(self, request: Fit, optimizer, trainable, xb, yb, index) -> float:
         optimizer.zero_grad(set_to_none=True)
         with self._precision():
             features = self.model.body(xb)
             logits = self.model.head(features)
-        out = Forward(features.float(), logits.float())
+        out = Forward(features.float(), logits.float(), index)
         loss = request.loss(out, yb, self.parameters, request.context)
         loss.backward()
         if self.settings.grad_clip is not None:

@@ -56,7 +56,7 @@ from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator, thread_count
 from pfedkit.engine.seeds import torch_generator
-from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule
+from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule, request_lr
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 
 EVAL_BATCH = 1000  # the sequential evaluator's chunk size (same chunks -> same loss sums)
@@ -199,7 +199,7 @@ class VectorizedRuntime:
         for job in jobs:
             request = job.request
             leaves, spec = tree_flatten(request.context)
-            key = (loss_key(request.loss), request.trainable, request.lr or self.settings.lr, spec,
+            key = (loss_key(request.loss), request.trainable, request_lr(request, self.settings), spec,
                    tuple(leaf_key(leaf) for leaf in leaves))
             for group_key, members in groups:
                 if same(group_key, key):
@@ -236,7 +236,7 @@ class VectorizedRuntime:
         state = self._stack_group(jobs)
         request = jobs[0].request
         step = vmap(grad_and_value(self._loss_fn(request.loss, *state["context_layout"])),
-                    in_dims=(0, 0, None, 0, 0, 0, None), randomness="different" if self.dropout else "error")
+                    in_dims=(0, 0, None, 0, 0, 0, 0, None), randomness="different" if self.dropout else "error")
         if self.dropout:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
                                   "client's masks from its own generator, the sequential trainer from a per-job seed; not "
@@ -249,9 +249,10 @@ class VectorizedRuntime:
                 if t < len(schedule):  # clients whose batches have run out are skipped
                     by_size.setdefault(len(schedule[t]), []).append(k)
             for members in by_size.values():
+                index = torch.stack([schedules[k][t] for k in members])
                 xb = torch.stack([data[k][0][schedules[k][t]] for k in members])
                 yb = torch.stack([data[k][1][schedules[k][t]] for k in members])
-                self._train_members(step, state, members, xb, yb, request.lr or self.settings.lr, totals)
+                self._train_members(step, state, members, (xb, yb, index), request_lr(request, self.settings), totals)
         return self._outcomes(jobs, state["params"], schedules, totals.cpu())
 
     def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
@@ -289,9 +290,11 @@ class VectorizedRuntime:
             "context_layout": (spec, constants, len(leaves)),
         }
 
-    def _train_members(self, step, state: dict, members: list[int], xb: torch.Tensor, yb: torch.Tensor,
+    def _train_members(self, step, state: dict, members: list[int], batch: tuple[torch.Tensor, ...],
                        lr: float, totals: torch.Tensor) -> None:
-        """One SGD step of the clients `members` (positions in the group) on their batches."""
+        """One SGD step of the clients `members` (positions in the group) on their batches
+        (x, y, row indices), each stacked [k, B, ...]."""
+        xb, yb, rows = batch
         frozen, context = state["frozen"], state["context"]
         low, high = members[0], members[-1] + 1
         contiguous = high - low == len(members)
@@ -301,7 +304,8 @@ class VectorizedRuntime:
             index = torch.tensor(members, device=self.device)
             take = lambda tensors: {n: v.index_select(0, index) for n, v in tensors.items()}  # noqa: E731
         params, momentum = take(state["params"]), take(state["momentum"])
-        grads, loss = step(params, take(frozen.batched), frozen.shared, xb, yb, take(context.batched), context.shared)
+        grads, loss = step(params, take(frozen.batched), frozen.shared, xb, yb, rows, take(context.batched),
+                           context.shared)
         self._sgd_step(params, grads, momentum, lr)
         if contiguous:
             totals[low:high] += loss.double()
@@ -313,11 +317,11 @@ class VectorizedRuntime:
 
     def _loss_fn(self, loss: Callable, spec, constants: dict[int, Any], num_leaves: int):
         """One client's loss as a function of (trainable, frozen batched, frozen shared, x, y,
-        context batched, context shared), for vmap(grad_and_value(...))."""
+        batch row indices, context batched, context shared), for vmap(grad_and_value(...))."""
         body, head, names = self.model.body, self.model.head, self.names
         precision = self._precision
 
-        def client_loss(trainable, frozen_batched, frozen_shared, xb, yb, context_batched, context_shared):
+        def client_loss(trainable, frozen_batched, frozen_shared, xb, yb, index, context_batched, context_shared):
             merged = {**frozen_shared, **frozen_batched, **trainable}
             live = {n: merged[n] for n in names}  # module order, like LocalTrainer's parameter dict
             body_params = {n[len("body."):]: v for n, v in live.items() if n.startswith("body.")}
@@ -325,7 +329,7 @@ class VectorizedRuntime:
             with precision():
                 features = functional_call(body, body_params, (xb,))
                 logits = functional_call(head, head_params, (features,))
-            out = Forward(features.float(), logits.float())
+            out = Forward(features.float(), logits.float(), index)
             leaves = [constants[i] if i in constants else
                       context_batched[i] if i in context_batched else context_shared[i] for i in range(num_leaves)]
             return loss(out, yb, live, tree_unflatten(leaves, spec))
