@@ -95,6 +95,8 @@ class Config(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm at this value")
     drop_last: bool = False
+    keep_optimizer_state: bool = Field(False, description="keep each client's SGD momentum across rounds and "
+                                       "Fit requests (PFLlib-style: one optimizer per client for the run)")
     seed: int = 0
     eval_every: int = Field(1, ge=1)
     backend: Literal["sequential", "processes", "vectorized"] = "sequential"

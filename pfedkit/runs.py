@@ -152,9 +152,12 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     algorithm.check()
     runtime = make_runtime(config, archs, data)
     simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
-                            join_ratio=config.join_ratio, eval_every=config.eval_every)
+                            join_ratio=config.join_ratio, eval_every=config.eval_every,
+                            keep_optimizer_state=config.keep_optimizer_state)
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
+        if not getattr(state, "optimizer_states", None) and config.keep_optimizer_state:
+            state.optimizer_states = [{} for _ in range(data.num_clients)]  # a checkpoint from before the option
     else:
         state = simulation.initial_state(
             ops.initial_params(), ops.initial_buffers(),
@@ -165,7 +168,8 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
 
 def train_settings(config: Config) -> TrainSettings:
     return TrainSettings(config.local_epochs, config.batch_size, config.lr, config.momentum,
-                         config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed)
+                         config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed,
+                         config.keep_optimizer_state)
 
 
 def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData):

@@ -60,7 +60,11 @@ class Fit:
     trainable: "all", "body" or "head" (the rest stays frozen but is still used in the forward).
     epochs / steps: local epochs (None: the config's local_epochs) or an exact number of
     mini-batches. lr: None uses the config's lr. context: tensors the loss reads (anchors,
-    prototypes...), kept as given.
+    prototypes...), kept as given. optimizer: which of the client's optimizers trains this request;
+    with the config's `keep_optimizer_state` each named optimizer's state (SGD momentum buffers)
+    is kept per client across rounds and requests (one optimizer per client for the whole run, as
+    in PFLlib-based code); a method training two models (Ditto's personal and global model) names
+    one optimizer per model.
     """
     params: Params
     loss: LossFn = cross_entropy
@@ -69,6 +73,7 @@ class Fit:
     steps: int | None = None
     lr: float | None = None
     context: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "default"
 
     def __post_init__(self) -> None:
         if self.trainable not in ("all", "body", "head"):

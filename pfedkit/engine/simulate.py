@@ -32,6 +32,9 @@ class SimState:
     class_correct: np.ndarray | None = None
     class_total: np.ndarray | None = None
     diagnostics: dict[str, dict[int, Any]] = field(default_factory=dict)  # what algorithms recorded
+    # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
+    # client-side memory, checkpointed, never sent.
+    optimizer_states: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -44,8 +47,13 @@ class RoundReport:
     train_samples: int
 
 
-def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: list[Any]) -> tuple[dict[int, Any], dict[int, Message], dict[int, dict]]:
-    """Run every participant's client_update to completion; returns states, replies, train stats."""
+def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: list[Any],
+                  optimizer_states: list[dict[str, Any]] | None = None
+                  ) -> tuple[dict[int, Any], dict[int, Message], dict[int, dict]]:
+    """Run every participant's client_update to completion; returns states, replies, train stats.
+
+    `buffers[cid]` (BatchNorm statistics) and, when given, `optimizer_states[cid]` (kept optimizer
+    state, one entry per `Fit.optimizer` name) are read into each job and updated in place."""
     states, replies, stats = {}, {}, {cid: {"loss": 0.0, "steps": 0, "samples": 0} for cid in updates}
     pending, counts = {}, {cid: 0 for cid in updates}
 
@@ -58,12 +66,16 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: 
     for cid in updates:
         advance(cid, None, True)
     while pending:
-        jobs = [FitJob(rnd, cid, counts[cid], request, buffers[cid]) for cid, request in sorted(pending.items())]
+        jobs = [FitJob(rnd, cid, counts[cid], request, buffers[cid],
+                       optimizer_states[cid].get(request.optimizer) if optimizer_states is not None else None)
+                for cid, request in sorted(pending.items())]
         outcomes = runtime.fit_many(jobs)
         pending = {}
         for job in jobs:
             outcome = outcomes[job.cid]
             buffers[job.cid] = outcome.buffers
+            if optimizer_states is not None and outcome.optimizer_state is not None:
+                optimizer_states[job.cid][job.request.optimizer] = outcome.optimizer_state
             counts[job.cid] += 1
             stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
             stats[job.cid]["steps"] += outcome.steps
@@ -80,9 +92,10 @@ def _check_result(cid: int, value: Any) -> tuple[Any, Message]:
 
 class Simulation:
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
-                 join_ratio: float, eval_every: int) -> None:
+                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
+        self.keep_optimizer_state = keep_optimizer_state
 
     def initial_state(self, params, buffers, client_params: list | None = None,
                       client_buffers: list | None = None) -> SimState:
@@ -92,7 +105,8 @@ class Simulation:
         client_params = client_params or [params] * n
         client_buffers = client_buffers or [buffers] * n
         clients = [algo.init_client(cid, client_params[cid]) for cid in range(n)]
-        return SimState(0, algo.init_server(params), clients, list(client_buffers))
+        return SimState(0, algo.init_server(params), clients, list(client_buffers),
+                        optimizer_states=[{} for _ in range(n)] if self.keep_optimizer_state else [])
 
     def run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1
@@ -103,7 +117,8 @@ class Simulation:
         messages = algo.broadcast(rnd, state.server, cids)
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                            self.client_view(cid, state)) for cid in cids}
-        new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers)
+        new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers,
+                                                   state.optimizer_states or None)
         for cid, client_state in new_states.items():
             state.clients[cid] = client_state
         state.server = algo.aggregate(rnd, state.server, replies)

@@ -31,6 +31,7 @@ class TrainSettings:
     drop_last: bool = False
     precision: str = "fp32"
     seed: int = 0
+    keep_optimizer_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class FitJob:
     index: int  # how many Fit requests this client already made this round
     request: Fit
     buffers: Params | None
+    # The client's saved state of the optimizer `request.optimizer` (SGD momentum buffers by
+    # parameter name); None: a fresh optimizer. Only with `keep_optimizer_state`.
+    optimizer_state: Params | None = None
 
 
 @dataclass
@@ -50,6 +54,7 @@ class FitOutcome:
     mean_loss: float
     steps: int
     samples: int  # training samples processed (for throughput figures)
+    optimizer_state: Params | None = None  # with keep_optimizer_state: the state to keep
 
 
 def request_lr(request: Fit, settings: TrainSettings) -> float:
@@ -95,6 +100,7 @@ class LocalTrainer:
         trainable = self._set_trainable(request.trainable)
         optimizer = torch.optim.SGD(trainable, lr=request_lr(request, s), momentum=s.momentum,
                                     weight_decay=s.weight_decay, foreach=True)
+        self._load_momentum(optimizer, job.optimizer_state)
         generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
         self.model.train()
         total, steps, samples = 0.0, 0, 0
@@ -106,7 +112,8 @@ class LocalTrainer:
                 total += self._step(request, optimizer, trainable, x[batch], y[batch], batch)
                 steps += 1
                 samples += len(batch)
-        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples)
+        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples,
+                          self._momentum_out(optimizer, job.optimizer_state))
 
     def _step(self, request: Fit, optimizer, trainable, xb, yb, index) -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -135,6 +142,27 @@ class LocalTrainer:
             tensor.copy_(params[name])
         for name, tensor in (buffers or {}).items():
             self.buffers[name].copy_(tensor)
+
+    @torch.no_grad()
+    def _load_momentum(self, optimizer: torch.optim.SGD, saved: Params | None) -> None:
+        """Resume the client's optimizer: its saved momentum buffers for the trainable tensors."""
+        if not saved or not self.settings.momentum:
+            return
+        for name, tensor in self.parameters.items():
+            if tensor.requires_grad and name in saved:
+                optimizer.state[tensor]["momentum_buffer"] = saved[name].clone()
+
+    def _momentum_out(self, optimizer: torch.optim.SGD, saved: Params | None) -> Params | None:
+        """The optimizer state to keep: buffers of the tensors trained now, the saved ones of the
+        tensors this request froze (one optimizer over the whole model, as in PFLlib)."""
+        if not (self.settings.keep_optimizer_state and self.settings.momentum):
+            return None
+        state = dict(saved or {})
+        for name, tensor in self.parameters.items():
+            buffer = optimizer.state.get(tensor, {}).get("momentum_buffer")
+            if buffer is not None:
+                state[name] = buffer.detach().clone(memory_format=torch.contiguous_format)
+        return state
 
     def _set_trainable(self, part: str) -> list[torch.Tensor]:
         chosen = []

@@ -253,7 +253,7 @@ class VectorizedRuntime:
                 xb = torch.stack([data[k][0][schedules[k][t]] for k in members])
                 yb = torch.stack([data[k][1][schedules[k][t]] for k in members])
                 self._train_members(step, state, members, (xb, yb, index), request_lr(request, self.settings), totals)
-        return self._outcomes(jobs, state["params"], schedules, totals.cpu())
+        return self._outcomes(jobs, state, schedules, totals.cpu())
 
     def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
         """Each job's mini-batches (seeded as in LocalTrainer), jobs sorted by decreasing number of
@@ -283,12 +283,23 @@ class VectorizedRuntime:
         constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
         return {
             "params": params,
-            "momentum": {n: torch.zeros_like(p) for n, p in params.items()} if self.settings.momentum else {},
+            "momentum": self._stack_momentum(jobs, params) if self.settings.momentum else {},
             "frozen": _Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], self.device, self.dtypes),
             "context": _Stacked([{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants}
                                  for client_leaves, _ in flat], self.device),
             "context_layout": (spec, constants, len(leaves)),
         }
+
+    def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Momentum buffers [K, ...]: each client's saved buffer (keep_optimizer_state), else zeros
+        (a zero buffer gives SGD's first step `buf = grad` exactly)."""
+        out = {}
+        for n, stacked in params.items():
+            saved = [(job.optimizer_state or {}).get(n) for job in jobs]
+            out[n] = (torch.zeros_like(stacked) if all(b is None for b in saved) else
+                      torch.stack([torch.zeros_like(stacked[k]) if b is None else b.to(self.device, stacked.dtype)
+                                   for k, b in enumerate(saved)]))
+        return out
 
     def _train_members(self, step, state: dict, members: list[int], batch: tuple[torch.Tensor, ...],
                        lr: float, totals: torch.Tensor) -> None:
@@ -363,8 +374,10 @@ class VectorizedRuntime:
             updates = buffers
         torch._foreach_add_(weights, updates, alpha=-lr)
 
-    def _outcomes(self, jobs, params, schedules, totals) -> dict[int, FitOutcome]:
-        trained = {n: tensor.cpu() for n, tensor in params.items()}
+    def _outcomes(self, jobs, state, schedules, totals) -> dict[int, FitOutcome]:
+        trained = {n: tensor.cpu() for n, tensor in state["params"].items()}
+        keep = self.settings.keep_optimizer_state and self.settings.momentum
+        momentum = {n: tensor.cpu() for n, tensor in state["momentum"].items()} if keep else {}
         out = {}
         for k, job in enumerate(jobs):
             result = {}
@@ -373,7 +386,12 @@ class VectorizedRuntime:
                 result[n] = source.clone(memory_format=torch.contiguous_format)
             steps = len(schedules[k])
             samples = sum(len(batch) for batch in schedules[k])
-            out[job.cid] = FitOutcome(result, None, float(totals[k]) / max(steps, 1), steps, samples)
+            kept = None
+            if keep:  # like LocalTrainer: trained tensors' buffers, the saved ones of frozen tensors
+                kept = dict(job.optimizer_state or {})
+                if steps:
+                    kept.update({n: m[k].clone(memory_format=torch.contiguous_format) for n, m in momentum.items()})
+            out[job.cid] = FitOutcome(result, None, float(totals[k]) / max(steps, 1), steps, samples, kept)
         return out
 
     # ------------------------------------------------------------------ evaluation
