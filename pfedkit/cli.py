@@ -28,13 +28,17 @@ def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]
 
 
 def results_table(summaries: list[dict]) -> str:
-    header = f"{'algorithm':<12} {'final acc':>9} {'last-5 acc':>10} {'best acc':>8} {'best round':>10} {'seconds':>8}"
+    header = (f"{'algorithm':<12} {'headline':>9} {'final acc':>9} {'last-5 acc':>10} {'best acc':>8} "
+              f"{'best round':>10} {'MB up':>8} {'seconds':>8}")
     lines = [header, "-" * len(header)]
     for s in summaries:
-        lines.append(f"{s['algorithm']:<12} {_pct(s['final_acc']):>9} {_pct(s['last5_acc']):>10} "
-                     f"{_pct(s['best_acc']):>8} {str(s['best_round']):>10} {s['seconds']:>8.1f}")
-    lines.append("accuracy: sample-weighted mean over clients' test splits; best round is chosen on test data")
-    return "\n".join(lines)
+        lines.append(f"{s['algorithm']:<12} {_pct(s.get('headline_acc')):>9} {_pct(s['final_acc']):>9} "
+                     f"{_pct(s['last5_acc']):>10} {_pct(s['best_acc']):>8} {str(s['best_round']):>10} "
+                     f"{s['bytes_up'] / 1e6:>8.2f} {s['seconds']:>8.1f}")
+    headlines = sorted({s.get("headline", "") for s in summaries} - {""})
+    lines.append("headline: " + " | ".join(headlines) if headlines else "")
+    lines.append("other columns: sample-weighted mean over clients' test splits; best round is chosen on test data")
+    return "\n".join(line for line in lines if line)
 
 
 def _pct(value) -> str:
@@ -71,7 +75,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 def cmd_list(ns: argparse.Namespace) -> int:
     from pfedkit.algorithms import algorithm_names, get_algorithm
-    from pfedkit.config import SCHEME_PARAMS
+    from pfedkit.config import SCHEME_PARAMS, preset_names, preset_summary
     from pfedkit.data.datasets import DATASETS
     from pfedkit.models import MODELS
 
@@ -87,6 +91,9 @@ def cmd_list(ns: argparse.Namespace) -> int:
     print("models:")
     for name, info in MODELS.items():
         print(f"  {name:<14} {info.description}")
+    print("presets (preset=NAME):")
+    for name in preset_names():
+        print(f"  {name:<14} {preset_summary(name)}")
     return 0
 
 

@@ -7,6 +7,7 @@ line names the key, says what was wrong and what is allowed.
 """
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,6 +74,16 @@ class PartitionConfig(BaseModel):
         return {k: v for k, v in params.items() if v is not None}
 
 
+class HeadlineConfig(BaseModel):
+    """Which number a run's summary and tables lead with (settings.md §4.2-4.3); all are stored."""
+    model_config = ConfigDict(extra="forbid")
+
+    weighting: Literal["weighted", "unweighted"] = Field(
+        "weighted", description="sample-weighted mean over clients (PFLlib) or unweighted mean (DA-PFL, pFedPM, PFedCS)")
+    point: Literal["best", "last5", "last10", "final"] = Field(
+        "best", description="best round (chosen on test data), mean of the last 5 / 10 evaluated rounds, or the last")
+
+
 class Config(BaseModel):
     """One run. Defaults give the embedded job: FedAvg on `digits`, 10 clients, Dirichlet 0.5."""
     model_config = ConfigDict(extra="allow")  # extra keys must be algorithm sections (checked below)
@@ -87,6 +98,8 @@ class Config(BaseModel):
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     num_clients: int = Field(10, ge=1)
     join_ratio: float = Field(1.0, gt=0, le=1)
+    participants: Literal["round", "floor"] = Field(
+        "round", description="clients per round: round(join_ratio * N), or int(join_ratio * N) (PFLlib)")
     rounds: int = Field(20, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
@@ -99,12 +112,18 @@ class Config(BaseModel):
                                        "Fit requests (PFLlib-style: one optimizer per client for the run)")
     seed: int = 0
     eval_every: int = Field(1, ge=1)
+    eval_point: Literal["after_download", "after_local_training"] = Field(
+        "after_download", description="evaluate the model a client would use after the round (what it "
+        "downloads next; PFLlib) or a participant's model right after its local training (DA-PFL)")
+    headline: HeadlineConfig = Field(default_factory=HeadlineConfig)
     backend: Literal["sequential", "processes", "vectorized"] = "sequential"
     workers: int | None = Field(None, ge=1, description="processes backend: worker count (default: cores)")
     threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
     precision: Literal["fp32", "bf16"] = "fp32"
     channels_last: bool = Field(True, description="channels_last memory format for conv models")
     data_dir: str | None = None
+    preset: str | None = Field(None, description="a shipped set of defaults (pfedkit list); the file and "
+                               "overrides win over it")
     out_dir: str = "runs"
     name: str | None = Field(None, description="run directory name (default: algorithm-dataset-timestamp)")
     checkpoint_every: int = Field(1, ge=1)
@@ -185,6 +204,8 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
     data = _read_source(source)
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     data = deep_merge(data, extra)
+    if data.get("preset") is not None:  # the preset is the base; the file and overrides win over it
+        data = deep_merge(read_preset(data["preset"]), data)
     try:
         config = Config(**data)
     except ValidationError as err:
@@ -233,6 +254,28 @@ def per_client_model_options(config: Config) -> list[dict[str, Any]] | None:
             owner[cid] = key
             options[cid].update(extra)
     return options
+
+
+def preset_names() -> list[str]:
+    """The presets shipped in pfedkit/presets/ (one YAML file each)."""
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files("pfedkit.presets").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def read_preset(name: Any) -> dict[str, Any]:
+    """The config values of preset `name`, without its own `preset` key. ConfigError if unknown."""
+    if name not in preset_names():
+        raise ConfigError(f"preset: unknown preset {name!r}; allowed: {', '.join(preset_names())}")
+    data = yaml.safe_load(resources.files("pfedkit.presets").joinpath(f"{name}.yaml").read_text()) or {}
+    data.pop("preset", None)
+    return data
+
+
+def preset_summary(name: str) -> str:
+    """The first comment line of a preset file (what `pfedkit list` shows)."""
+    text = resources.files("pfedkit.presets").joinpath(f"{name}.yaml").read_text()
+    first = next((line for line in text.splitlines() if line.startswith("#")), "#")
+    return first.lstrip("# ").strip()
 
 
 def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:

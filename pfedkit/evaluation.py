@@ -19,6 +19,15 @@ import torch.nn.functional as F
 FEW_BELOW = 30
 MANY_ABOVE = 80
 LAST_K = 5
+LAST_K_LONG = 10  # DA-PFL and PFedCS report the mean of the last 10 rounds
+HEADLINE_WORDS = {
+    "weighted": "sample-weighted mean accuracy over clients",
+    "unweighted": "unweighted mean accuracy over clients",
+    "best": "best round (chosen on the test splits, optimistic)",
+    "last5": "mean of the last 5 evaluated rounds",
+    "last10": "mean of the last 10 evaluated rounds",
+    "final": "last evaluated round",
+}
 
 
 @dataclass
@@ -94,10 +103,13 @@ def group_accuracy(class_correct: np.ndarray, class_total: np.ndarray, train_cou
 
 def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: int,
               class_correct: np.ndarray | None, class_total: np.ndarray | None,
-              train_counts: np.ndarray) -> dict:
-    """The run's summary.json content (weighted numbers are the headline; both are given)."""
+              train_counts: np.ndarray, weighting: str = "weighted", point: str = "best",
+              eval_point: str = "after_download") -> dict:
+    """The run's summary.json content: every number, and `headline_acc`, the one chosen by
+    (`weighting`, `point`) with `headline` saying in words which it is."""
     table = round_table(metrics)
     last = table.tail(LAST_K)
+    last_long = table.tail(LAST_K_LONG)
     best_round = int(table["acc_weighted"].idxmax()) if len(table) else None
     final = table.iloc[-1] if len(table) else None
     summary = {
@@ -105,20 +117,26 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
         "dataset": dataset,
         "rounds": rounds,
         "rounds_done": int(metrics["round"].max()) if len(metrics) else 0,
-        "headline": "sample-weighted mean accuracy over clients; best round chosen on the test splits",
         "best_round": best_round,
         "best_acc": _num(table["acc_weighted"].max()),
         "last5_acc": _num(last["acc_weighted"].mean()),
+        "last10_acc": _num(last_long["acc_weighted"].mean()),
         "final_acc": _num(final["acc_weighted"]) if final is not None else None,
         "best_acc_unweighted": _num(table["acc_mean"].max()),
         "last5_acc_unweighted": _num(last["acc_mean"].mean()),
+        "last10_acc_unweighted": _num(last_long["acc_mean"].mean()),
         "final_acc_unweighted": _num(final["acc_mean"]) if final is not None else None,
         "final_acc_std": _num(final["acc_std"]) if final is not None else None,
         "final_acc_worst": _num(final["acc_worst"]) if final is not None else None,
         "final_balanced_acc": _num(final["balanced_acc"]) if final is not None else None,
         "bytes_up": int(metrics["bytes_up"].sum()),
         "bytes_down": int(metrics["bytes_down"].sum()),
+        # one-off setup exchange (round 0), included in bytes_up; settings.md §4.6 reports it apart
+        "bytes_setup": int(metrics.loc[metrics["round"] == 0, "bytes_up"].sum()),
     }
+    key = ("final_acc" if point == "final" else f"{point}_acc") + ("_unweighted" if weighting == "unweighted" else "")
+    summary["headline_acc"] = summary[key]
+    summary["headline"] = f"{HEADLINE_WORDS[weighting]}, {HEADLINE_WORDS[point]}; evaluated {eval_point.replace('_', ' ')}"
     if class_correct is not None and class_total is not None:
         summary["final_group_acc"] = group_accuracy(class_correct, class_total, train_counts)
     return summary

@@ -153,7 +153,8 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     runtime = make_runtime(config, archs, data)
     simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
                             join_ratio=config.join_ratio, eval_every=config.eval_every,
-                            keep_optimizer_state=config.keep_optimizer_state)
+                            keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
+                            participants=config.participants)
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
         if not getattr(state, "optimizer_states", None) and config.keep_optimizer_state:
@@ -231,7 +232,8 @@ def finish_summary(run_dir: Path, state: SimState, config: Config, data: Federat
     metrics = pd.DataFrame(state.rows)
     summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
                         class_correct=state.class_correct, class_total=state.class_total,
-                        train_counts=data.train_counts())
+                        train_counts=data.train_counts(), weighting=config.headline.weighting,
+                        point=config.headline.point, eval_point=config.eval_point)
     summary.update({"model": model_name(config), "num_clients": config.num_clients,
                     "partition": config.partition.scheme, "backend": config.backend,
                     "seconds": round(state.seconds, 3),

@@ -49,6 +49,13 @@ BAD_CASES = [
     (["algorithm=local", 'client_model_options={"3-12": {}}'], "client_model_options.3-12"),
     (["algorithm=local", 'client_model_options={"a-b": {}}'], "client_model_options.a-b"),
     (["algorithm=local", 'client_model_options={"6-2": {}}'], "client_model_options.6-2"),
+    # algorithm options checked against the model and clients (Algorithm.check), before the run directory
+    (["algorithm=cwfedavg", "cwfedavg.class_wise_layers=9"], "cwfedavg.class_wise_layers: 9 but MLP has only 3"),
+    (["algorithm=pfedcs", "num_clients=1"], "pfedcs.beta"),
+    (["algorithm=fedrema", "fedrema.variant=AF"], "fedrema.variant=AF"),
+    (["algorithm=fedrema", "fedrema.head_epochs=2"], "fedrema.head_epochs=2"),
+    (["preset=nope"], "preset: unknown preset 'nope'"),
+    (["participants=ceil"], "participants"),
 ]
 
 
@@ -80,3 +87,21 @@ def test_config_error_is_one_line():
     with pytest.raises(ConfigError) as err:
         load_config({"rounds": -1, "lr": 0})
     assert "\n" not in str(err.value) and "rounds" in str(err.value) and "lr" in str(err.value)
+
+
+def test_pfllib_preset_sets_pfllib_values_and_overrides_win():
+    config = load_config(None, ["preset=pfllib", "lr=0.02"])
+    assert (config.drop_last, config.participants, config.partition.stratified, config.keep_optimizer_state) == \
+        (True, "floor", False, True)
+    assert config.lr == 0.02 and config.batch_size == 10
+    assert load_config(None, ["preset=pfllib"]).lr == 0.005
+    assert load_config(None, ["preset=pfllib", "partition.alpha=0.1"]).partition.stratified is False  # merged
+
+
+def test_participant_rounding_round_or_floor():
+    from pfedkit.engine.seeds import sample_clients
+    assert len(sample_clients(0, 1, 20, 0.33)) == 7 and len(sample_clients(0, 1, 20, 0.33, "floor")) == 6
+    assert len(sample_clients(0, 1, 10, 0.15)) == 2 and len(sample_clients(0, 1, 10, 0.15, "floor")) == 1
+    assert len(sample_clients(0, 1, 10, 0.05, "floor")) == 1  # at least one
+    floor = sample_clients(3, 2, 20, 0.33, "floor")
+    assert floor == sorted(set(floor)) and all(0 <= c < 20 for c in floor)

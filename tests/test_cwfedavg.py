@@ -2,17 +2,23 @@
 short digits runs."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 import pfedkit
+import pfedkit.runs
 from pfedkit.algorithms.base import ClientData, Forward, Setup, message_bytes
 from pfedkit.algorithms.cwfedavg import (CwFedAvg, class_wise_models, class_wise_weights,
                                          estimate_class_distribution, personalised_model,
-                                         weight_distribution_regularizer, wdr_loss)
+                                         unheld_classes, weight_distribution_regularizer, wdr_loss)
 from pfedkit.algorithms.params import weighted_mean
+from pfedkit.config import ConfigError
+from pfedkit.models import build_model
 from pfedkit.report.run_report import report_run
 
 C = 4  # classes in the synthetic tests
@@ -222,7 +228,10 @@ def test_wdr_coefficient_paper_vs_code_half_factor():
         torch.testing.assert_close(request.context["class_distribution"], torch.tensor([0.75, 0.25, 0.0, 0.0]))
         losses[half] = float(request.loss(out, y, params, request.context))
     ce = float(np.log(C))
-    assert losses[False] - ce == pytest.approx(2 * (losses[True] - ce), rel=1e-5)
+    penalty = float(weight_distribution_regularizer(params["head.fc.weight"], torch.tensor([0.75, 0.25, 0.0, 0.0])))
+    assert penalty > 0
+    assert losses[False] - ce == pytest.approx(8.0 * penalty, rel=1e-5)  # + lambda R, not - lambda R
+    assert losses[True] - ce == pytest.approx(4.0 * penalty, rel=1e-5)   # the code's 0.5 lambda
     off = fit_request(make_algorithm(1, wdr=False), params, [3, 1, 0, 0])
     assert float(off.loss(out, y, params, off.context)) == pytest.approx(ce, rel=1e-6)
 
@@ -280,6 +289,99 @@ def test_partial_participation_updates_only_participants_and_skips_empty_clients
     assert np.isnan(recorded[[0, 2, 3]]).all() and np.allclose(recorded[1], expected.numpy())
 
 
+# ------------------------------------------------------------------ partial participation [ours]
+
+def output_rows(seed: int, row_norms: list[float]) -> dict[str, torch.Tensor]:
+    """Synthetic params whose output-weight rows have the given L2 norms (so p~ = norms / sum)."""
+    params = synthetic_params(seed)
+    directions = torch.nn.functional.normalize(params["head.fc.weight"], dim=1)
+    params["head.fc.weight"] = torch.tensor(row_norms)[:, None] * directions
+    return params
+
+
+# p~ of the two uploads: class 0 and 1 held by client 0, class 2 by client 1, class 3 by neither
+# (both below the uniform share 1/C = 0.25).
+UPLOAD_NORMS = ([5.0, 4.0, 0.9, 0.1], [1.0, 2.0, 6.8, 0.2])
+UPLOAD_SIZES = (10, 30)
+# eq. 6 by hand: p = (0.25, 0.75); q_i3 = (0.25 * 0.01, 0.75 * 0.02) / 0.0175; q_i0 = (0.125, 0.075) / 0.2
+Q_CLASS3, Q_CLASS0 = (1 / 7, 6 / 7), (0.625, 0.375)
+
+
+def head(params):
+    return {n: v for n, v in params.items() if n.startswith("head.")}
+
+
+def two_uploads(algo: CwFedAvg, initial):
+    """Aggregate the two uploads of UPLOAD_NORMS as clients 0 and 1; returns (server, replies)."""
+    server = algo.init_server(initial)
+    replies = {c: {"params": output_rows(50 + c, UPLOAD_NORMS[c]), "weight": UPLOAD_SIZES[c]} for c in range(2)}
+    return algo.aggregate(1, server, replies), replies
+
+
+def hand_mix(replies, q):
+    return {n: q[0] * replies[0]["params"][n] + q[1] * replies[1]["params"][n] for n in head(replies[0]["params"])}
+
+
+def test_class_no_participant_holds_keeps_its_previous_model():
+    """Partial participation (2 of 4 clients): class 3 is held by neither participant, so its
+    class-wise model stays the previous one instead of an average of clients without class 3."""
+    initial = synthetic_params(0)
+    algo = make_algorithm(num_clients=4)
+    server, replies = two_uploads(algo, initial)
+    for name, value in head(initial).items():
+        assert torch.equal(server["class_wise"][3][name], value), name
+    assert_params_close(server["class_wise"][0], hand_mix(replies, Q_CLASS0))  # held classes: eq. 6
+    assert list(algo.diagnostics["kept_class_models"][1]) == [3]
+
+
+def test_full_participation_is_eq6_bit_for_bit():
+    """All clients took part: every class, held or not, is the eq. 6 average (hand-computed q)."""
+    initial = synthetic_params(0)
+    algo = make_algorithm(num_clients=2)
+    server, replies = two_uploads(algo, initial)
+    assert_params_close(server["class_wise"][3], hand_mix(replies, Q_CLASS3))
+    assert_params_close(server["class_wise"][0], hand_mix(replies, Q_CLASS0))
+    estimated = np.stack([estimate_class_distribution(replies[c]["params"]["head.fc.weight"]).double().numpy()
+                          for c in range(2)])
+    plain = class_wise_models([head(replies[c]["params"]) for c in range(2)], estimated, np.array(UPLOAD_SIZES))
+    for ours, eq6 in zip(server["class_wise"], plain):
+        assert all(torch.equal(ours[n], eq6[n]) for n in eq6)
+    assert len(algo.diagnostics["kept_class_models"][1]) == 0
+
+
+@pytest.mark.parametrize("held_share, kept", [(0.0, False), (0.05, False), (0.5, True), (1.0, True)])
+def test_held_share_sets_what_counts_as_holding(held_share, kept):
+    """Class 3 has p~ 0.01 and 0.02: held once the threshold held_share / C drops to 0.0125."""
+    initial = synthetic_params(0)
+    algo = make_algorithm(num_clients=4, held_share=held_share)
+    server, replies = two_uploads(algo, initial)
+    expected = head(initial) if kept else hand_mix(replies, Q_CLASS3)
+    assert_params_close(server["class_wise"][3], expected)
+
+
+def test_unheld_classes_threshold_is_share_of_uniform():
+    dist = np.array([[0.5, 0.3, 0.2, 0.0],
+                     [0.6, 0.2, 0.2, 0.0]])
+    np.testing.assert_array_equal(unheld_classes(dist, 1.0), [False, False, True, True])
+    np.testing.assert_array_equal(unheld_classes(dist, 0.8), [False, False, False, True])  # 0.2 >= 0.2
+    np.testing.assert_array_equal(unheld_classes(dist, 0.0), [False, False, False, False])
+    balanced = np.full((3, C), 1.0 / C)  # exactly the uniform share counts as held
+    assert not unheld_classes(balanced, 1.0).any()
+
+
+def test_empirical_minor_class_of_the_round_keeps_previous_model():
+    """distribution=empirical, partial participation: class 1 is 5 % of the only participant that
+    has it (below 1/C): kept; with held_share=0 it is that participant's model (eq. 6)."""
+    initial = synthetic_params(0)
+    upload = synthetic_params(60)
+    reply = {"params": upload, "weight": 20, "class_distribution": torch.tensor([0.95, 0.05, 0.0, 0.0])}
+    for held_share, expected in ((1.0, head(initial)), (0.0, head(upload))):
+        algo = make_algorithm(num_clients=3, distribution="empirical", held_share=held_share)
+        server = algo.aggregate(1, algo.init_server(initial), {0: reply})
+        assert_params_close(server["class_wise"][1], expected)
+        assert_params_close(server["class_wise"][2], head(initial))  # zero mass: kept either way
+
+
 def test_client_mixing_downloads_every_class_wise_layer():
     params = synthetic_params(0)
     server = make_algorithm(mix_on="client").init_server(params)
@@ -289,6 +391,83 @@ def test_client_mixing_downloads_every_class_wise_layer():
     assert message_bytes(message) == body_bytes + C * head_bytes
     server_message = make_algorithm().broadcast(1, server, [0])[0]
     assert message_bytes(server_message) == body_bytes + head_bytes
+
+
+# ------------------------------------------------------------------ options that do not fit the model
+
+def digits_run_config(tmp_path, **extra):
+    return {"algorithm": "cwfedavg", "dataset": "digits", "num_clients": 4, "rounds": 1, "threads": 1,
+            "out_dir": str(tmp_path / "runs"), **extra}
+
+
+def assert_refused(tmp_path, config, *fragments):
+    """run() ends in one ConfigError line containing `fragments` and leaves no run directory."""
+    with pytest.raises(ConfigError) as caught:
+        pfedkit.runs.run(config)
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+    out = tmp_path / "runs"
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_class_wise_layers_beyond_the_model_is_refused(tmp_path):
+    config = digits_run_config(tmp_path, cwfedavg={"class_wise_layers": 4})  # mlp: fc1, fc2, fc
+    assert_refused(tmp_path, config, "cwfedavg.class_wise_layers: 4", "only 3 layers", "body.fc1, body.fc2, head.fc",
+                   "class_wise_layers=3")
+
+
+def test_held_share_above_one_is_refused(tmp_path):
+    assert_refused(tmp_path, digits_run_config(tmp_path, cwfedavg={"held_share": 1.5}), "cwfedavg.held_share")
+
+
+class NoOutputLayer(nn.Module):
+    """A model whose head has no parameters (nothing to read eq. 4 off)."""
+    def __init__(self, input_shape, num_classes, head="last"):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), num_classes))
+        self.head = nn.Sequential(nn.Identity())
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class HeadRegisteredFirst(NoOutputLayer):
+    """The output layer is not the last layer in parameter order."""
+    def __init__(self, input_shape, num_classes, head="last"):
+        nn.Module.__init__(self)
+        self.head = nn.Sequential(nn.Linear(16, num_classes))
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 16))
+
+
+@pytest.mark.parametrize("builder, options, fragments", [
+    (lambda shape, classes: build_model("mlp", shape, classes - 1), {},
+     ["model: the output layer head.fc.weight", "9 rows", "10 classes"]),
+    (lambda shape, classes: NoOutputLayer(shape, classes), {}, ["model: NoOutputLayer has no output Linear layer"]),
+    (lambda shape, classes: HeadRegisteredFirst(shape, classes), {"class_wise_layers": "output"},
+     ["cwfedavg.class_wise_layers: the last 1 layers", "(body.1)", "output layer head.0", "'all'"]),
+], ids=["rows_not_classes", "no_output_layer", "output_not_last"])
+def test_model_without_a_usable_output_layer_is_refused(tmp_path, monkeypatch, builder, options, fragments):
+    monkeypatch.setattr(pfedkit.runs, "build_model", lambda name, shape, classes, **_: builder(shape, classes))
+    assert_refused(tmp_path, digits_run_config(tmp_path, cwfedavg=options), *fragments)
+
+
+def check_with(template, num_classes=10, **hyper):
+    setup = Setup(2, num_classes, np.ones((2, num_classes), dtype=int), seed=0, local_epochs=1,
+                  ops=SimpleNamespace(template=template))
+    CwFedAvg(CwFedAvg.Hyper(**hyper), setup).check()
+
+
+def test_check_accepts_up_to_every_layer_of_the_paper_cnn():
+    """Paper Table 3: the 4-layer CNN (conv1, conv2, fc1, output) takes L = 1..4, not 5. (digits is
+    flat, so `model: cnn` cannot run on it; the check is called directly.)"""
+    cnn = build_model("cnn", (1, 28, 28), 10)
+    for layers in ("output", "all", 1, 4):
+        check_with(cnn, class_wise_layers=layers)
+    with pytest.raises(ConfigError, match=r"cwfedavg.class_wise_layers: 5 but FedAvgCNN has only 4 layers"):
+        check_with(cnn, class_wise_layers=5)
+    check_with(HeadRegisteredFirst((64,), 10), class_wise_layers="all")  # 'all' includes the output layer
 
 
 # ------------------------------------------------------------------ end-to-end on digits
@@ -307,7 +486,17 @@ def runs(tmp_path_factory):
         "no_wdr": pfedkit.run(digits_config(tmp, "no_wdr", cwfedavg={"wdr": False})),
         "client_mix": pfedkit.run(digits_config(tmp, "client_mix", cwfedavg={"mix_on": "client"})),
         "fedavg": pfedkit.run(digits_config(tmp, "fedavg", algorithm="fedavg")),
+        "held_share_0": pfedkit.run(digits_config(tmp, "held_share_0", cwfedavg={"held_share": 0.0})),
     }
+
+
+@pytest.fixture(scope="module")
+def partial_runs(tmp_path_factory):
+    """10 clients, 3 take part per round: most classes have no holder among the participants."""
+    tmp = tmp_path_factory.mktemp("cwfedavg_partial")
+    return {share: pfedkit.run(digits_config(tmp, f"share_{share}", num_clients=10, rounds=15, join_ratio=0.3,
+                                             cwfedavg={"held_share": share}))
+            for share in (0.0, 1.0)}
 
 
 def test_digits_pathological_learns_personalised_models(runs):
@@ -316,6 +505,18 @@ def test_digits_pathological_learns_personalised_models(runs):
     # each client sees 2 of 10 classes: chance on its own test split is 0.5
     assert last["accuracy"].mean() > 0.8
     assert last["accuracy"].mean() > runs["fedavg"].metrics.query("round == 2")["accuracy"].mean()
+
+
+def test_full_participation_results_do_not_depend_on_held_share(runs):
+    """The partial-participation rule must leave full participation exactly as eq. 6."""
+    columns = ["round", "client", "accuracy", "loss"]
+    pd.testing.assert_frame_equal(runs["wdr"].metrics[columns], runs["held_share_0"].metrics[columns])
+
+
+def test_keeping_unheld_classes_helps_under_partial_participation(partial_runs):
+    kept = torch.load(partial_runs[1.0].run_dir / "diagnostics.pt", weights_only=False)["kept_class_models"]
+    assert np.mean([len(classes) for classes in kept.values()]) >= 3  # 3 participants x 2 classes < 10
+    assert partial_runs[1.0].summary["last5_acc"] > partial_runs[0.0].summary["last5_acc"] + 0.2
 
 
 def test_bytes_equal_fedavg(runs):

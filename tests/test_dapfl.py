@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import Fit, Forward, cross_entropy
+from pfedkit.algorithms.base import Fit, Forward, cross_entropy, message_bytes
 from pfedkit.algorithms.dapfl import (adjusted_cosine, affinity, aggregation_weights, local_objective,
                                       log_one_minus_exp_neg, overlapping_class_vectors,
                                       pairwise_squared_distances, raw_affinity, resolve_sigma)
@@ -149,10 +149,14 @@ def test_aggregation_weights_unchanged_when_affinity_row_is_scaled():
         np.testing.assert_allclose(aggregation_weights(factor * row, distances, 1.0, 1e-8), alpha, rtol=1e-12)
 
 
+def initial(prepared) -> dict:
+    return prepared.state.clients[0]["params"]
+
+
 def test_broadcast_weights_exclude_self_and_sum_to_one(prepared):
     algo, server = prepared.simulation.algorithm, prepared.state.server
-    base = server["initial"]
-    server = {**server, "models": {cid: shifted(base, 0.01 * (cid + 1)) for cid in range(4)}}
+    base = initial(prepared)
+    server = {**server, "uploads": {cid: shifted(base, 0.01 * (cid + 1)) for cid in range(4)}}
     algo.diagnostics = {}
     algo.broadcast(1, server, [0, 2, 3])
     weights = algo.diagnostics["aggregation_weights"][1]
@@ -182,6 +186,16 @@ def test_with_equal_affinity_the_more_different_model_gets_more_weight():
     assert alpha[0] < alpha[1] < alpha[2]
     expected = -np.expm1(-np.array([0.1, 1.0, 3.0]))
     np.testing.assert_allclose(alpha, expected / expected.sum(), rtol=1e-7)
+
+
+def test_zero_affinity_row_options_are_explicit():
+    distances = np.array([0.5, 2.0, 8.0])
+    zero = np.zeros(3)
+    np.testing.assert_allclose(aggregation_weights(zero, distances, 2.0, 0.0, "uniform"), np.full(3, 1 / 3))
+    theta = 1 - np.exp(-distances / 2.0)  # the distance term alone, by hand
+    np.testing.assert_allclose(aggregation_weights(zero, distances, 2.0, 0.0, "distance"), theta / theta.sum())
+    with pytest.raises(ValueError, match="zero_affinity"):
+        aggregation_weights(zero, distances, 2.0, 0.0, "nearest")
 
 
 def test_degenerate_rows_fall_back_to_uniform_weights():
@@ -233,7 +247,7 @@ def fit(prepared, params, loss, anchor, steps=30):
 
 
 def test_lambda_zero_is_plain_local_sgd(prepared):
-    start = prepared.state.server["initial"]
+    start = initial(prepared)
     anchor = shifted(start, 0.5)
     with_zero = fit(prepared, start, partial(local_objective, lam=0.0), anchor)
     plain = fit(prepared, start, cross_entropy, anchor)
@@ -241,7 +255,7 @@ def test_lambda_zero_is_plain_local_sgd(prepared):
 
 
 def test_large_lambda_pulls_the_local_model_to_the_anchor(prepared):
-    start = prepared.state.server["initial"]
+    start = initial(prepared)
     anchor = shifted(start, 0.05)
     initial_gap = float(squared_distance(start, anchor))
     gaps = [float(squared_distance(fit(prepared, start, partial(local_objective, lam=lam), anchor), anchor))
@@ -264,25 +278,56 @@ def test_proximal_gradient_is_zero_at_the_anchor():
 
 # --- §5.10 property 6: only participants -------------------------------------------------------
 
-def test_affinity_aggregate_uses_only_the_other_participants_models(prepared):
-    algo, server = prepared.simulation.algorithm, prepared.state.server
-    base = server["initial"]
-    models = {0: shifted(base, 1.0), 1: shifted(base, 1e6), 2: shifted(base, 2.0), 3: shifted(base, 3.0)}
+def hand_weights(affinity_row, distances_sq, sigma, eps):
+    """Eq. 7-8 written out directly: theta = c / sum(c) * (1 - exp(-(d + eps) / sigma)), normalised."""
+    theta = [c / sum(affinity_row) * (1 - np.exp(-(d + eps) / sigma)) for c, d in zip(affinity_row, distances_sq)]
+    return [t / sum(theta) for t in theta]
+
+
+def test_each_participant_downloads_the_hand_computed_mix_of_the_others(tmp_path):
+    prepared = prepare(load_config({**CONFIG, "dapfl": {"sigma": 40.0}, "out_dir": str(tmp_path)}))
+    algo, server, base = prepared.simulation.algorithm, prepared.state.server, initial(prepared)
+    models = {0: shifted(base, 0.01), 1: shifted(base, 1e6), 2: shifted(base, 0.02), 3: shifted(base, -0.03)}
     algo.diagnostics = {}
-    messages = algo.broadcast(1, {**server, "models": models}, [0, 2, 3])
-    weights = algo.diagnostics["aggregation_weights"][1]
+    messages = algo.broadcast(1, {**server, "uploads": models}, [0, 2, 3])
+    size = sum(t.numel() for t in base.values())
+    offsets = {0: 0.01, 2: 0.02, 3: -0.03}  # ||w_i - w_j||^2 = size * (o_i - o_j)^2
     for cid in (0, 2, 3):
-        expected = sum(float(weights[cid, j]) * flatten(models[j]).double() for j in (0, 2, 3) if j != cid)
+        others = [j for j in (0, 2, 3) if j != cid]
+        distances = [size * (offsets[cid] - offsets[j]) ** 2 for j in others]
+        alpha = hand_weights([server["affinity"][cid, j] for j in others], distances, 40.0, 1e-8)
+        expected = sum(a * flatten(models[j]).double() for a, j in zip(alpha, others))
         torch.testing.assert_close(flatten(messages[cid]["params"]).double(), expected, rtol=1e-6, atol=1e-5)
 
 
 def test_a_lone_participant_gets_no_download_and_trains_towards_its_own_model(prepared):
     algo = prepared.simulation.algorithm
     algo.diagnostics = {}
-    assert algo.broadcast(1, prepared.state.server, [2]) == {2: {}}
+    server = {**prepared.state.server, "uploads": {2: initial(prepared)}}
+    assert algo.broadcast(1, server, [2]) == {2: {}}
 
 
-def test_non_participants_models_are_unchanged_by_a_round(tmp_path):
+def test_local_training_starts_from_the_clients_own_model_pulled_to_the_mix(prepared):
+    algo, data = prepared.simulation.algorithm, prepared.data.clients[1]
+    own, mix = {"params": shifted(initial(prepared), 0.3)}, {"params": shifted(initial(prepared), -0.2)}
+    request = next(algo.client_update(1, 1, own, mix, data))
+    assert request.params is own["params"]
+    assert request.context["anchor"] is mix["params"]
+
+
+def test_each_client_is_evaluated_with_its_own_personalised_model(tmp_path):
+    prepared = prepare(load_config({**CONFIG, "join_ratio": 0.5, "out_dir": str(tmp_path)}))
+    sim, state = prepared.simulation, prepared.state
+    for _ in range(2):
+        sim.run_round(state)
+    evaluator = prepared.runtime.evaluator
+    for cid, client in enumerate(prepared.data.clients):
+        own = evaluator.evaluate(state.clients[cid]["params"], None, client.x_test, client.y_test)
+        row = [r for r in state.rows if r["round"] == 2 and r["client"] == cid][0]
+        assert row["correct"] == own.correct
+
+
+def test_non_participants_models_are_unchanged_and_the_server_keeps_no_model(tmp_path):
     prepared = prepare(load_config({**CONFIG, "join_ratio": 0.5, "out_dir": str(tmp_path)}))
     sim, state = prepared.simulation, prepared.state
     for _ in range(2):
@@ -291,15 +336,35 @@ def test_non_participants_models_are_unchanged_by_a_round(tmp_path):
         for cid in range(4):
             same = all(torch.equal(before[cid][n], state.clients[cid]["params"][n]) for n in before[cid])
             assert same == (cid not in report.participants)
-            if cid in report.participants:  # the server keeps the upload, w_j for its next round
-                assert state.server["models"][cid] is state.clients[cid]["params"]
+        # between rounds the server holds the affinity [N, N] and the counts [N, K] only
+        assert set(state.server) == {"affinity", "class_counts"}
+        assert message_bytes(state.server) == 8 * 4 * 4 + 8 * 4 * 10
 
 
-def test_uploaded_counts_must_match_the_ones_the_affinity_used(prepared):
-    algo, server = prepared.simulation.algorithm, prepared.state.server
-    wrong = server["class_counts"][1] + 1
-    with pytest.raises(ValueError, match="class counts"):
-        algo.aggregate(1, server, {1: {"params": server["initial"], "class_counts": wrong}})
+def test_the_affinity_is_built_from_the_counts_received_in_the_setup_exchange(prepared):
+    algo = prepared.simulation.algorithm
+    counts = random_counts(5, clients=4)
+    server = algo.collect(0, algo.init_server(initial(prepared)),
+                          {cid: {"class_counts": counts[cid]} for cid in range(4)})
+    np.testing.assert_array_equal(server["affinity"], affinity(counts))
+    with pytest.raises(ValueError, match="every client"):
+        algo.collect(0, algo.init_server(initial(prepared)), {0: {"class_counts": counts[0]}})
+
+
+def test_default_sigma_keeps_the_distance_term_alive(tmp_path):
+    """At the default settings the weights of round >= 2 are NOT just the affinity row normalised
+    (sigma = 1 made them so: the paper's ablation V2)."""
+    result = pfedkit.run({**CONFIG, "rounds": 3, "out_dir": str(tmp_path)})
+    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    matrix = diagnostics["affinity"][0]
+    gaps = []
+    for rnd in (2, 3):
+        weights = diagnostics["aggregation_weights"][rnd]
+        for cid in range(4):
+            row = np.array([matrix[cid, j] if j != cid else 0.0 for j in range(4)], dtype=np.float64)
+            if row.sum() > 0:
+                gaps.append(np.abs(weights[cid] - row / row.sum()).max())
+    assert max(gaps) > 0.02
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -313,18 +378,20 @@ def test_end_to_end_digits_half_participation(tmp_path):
     # learns: mean client accuracy well above chance (10 classes) after 3 rounds
     last = metrics[metrics["round"] == 3]
     assert last["accuracy"].mean() > 0.3
-    # communication: down one model, up one model (+ the K int64 class counts on the first reply)
-    model_bytes = 4 * num_parameters(prepare(load_config(config)).state.server["initial"])
-    joined = metrics[metrics["participated"] == 1].sort_values("round")
-    assert (metrics.groupby("round")["participated"].sum() == 2).all()
-    assert (joined["bytes_down"] == model_bytes).all()
-    first = ~joined["client"].duplicated()
-    assert (joined.loc[first, "bytes_up"] == model_bytes + 8 * 10).all()
-    assert (joined.loc[~first, "bytes_up"] == model_bytes).all()
-    assert (metrics.loc[metrics["participated"] == 0, ["bytes_up", "bytes_down"]] == 0).all().all()
-    # diagnostics: affinity once, weights rows for each round's participants
+    # communication: round 0 = the K int64 class counts of every client, once; then one model up
+    # (before the broadcast) and one model down per participation
+    model_bytes = 4 * num_parameters(prepare(load_config(config)).state.clients[0]["params"])
+    setup = metrics[metrics["round"] == 0]
+    assert len(setup) == 4 and (setup["bytes_up"] == 8 * 10).all() and (setup["bytes_down"] == 0).all()
+    assert result.summary["bytes_setup"] == 4 * 8 * 10
+    trained = metrics[metrics["round"] > 0]
+    joined = trained[trained["participated"] == 1].sort_values("round")
+    assert (trained.groupby("round")["participated"].sum() == 2).all()
+    assert (joined["bytes_down"] == model_bytes).all() and (joined["bytes_up"] == model_bytes).all()
+    assert (trained.loc[trained["participated"] == 0, ["bytes_up", "bytes_down"]] == 0).all().all()
+    # diagnostics: affinity once (setup), weights rows for each round's participants
     diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
-    assert list(diagnostics["affinity"]) == [1]
+    assert list(diagnostics["affinity"]) == [0]
     for rnd, weights in diagnostics["aggregation_weights"].items():
         participants = joined.loc[joined["round"] == rnd, "client"].tolist()
         for cid in range(4):

@@ -13,6 +13,7 @@ from pfedkit.data.partition import (
     split_train_test,
     test_from_official,
 )
+from pfedkit.data import partition as pfedkit_partition
 
 # MNIST train + test merged: unequal class sizes, 70,000 samples.
 MNIST_CLASS_SIZES = [6903, 7877, 6990, 7141, 6824, 6313, 6876, 7293, 6825, 6958]
@@ -417,3 +418,29 @@ def test_bad_train_ratio_is_named(labels):
 
 def test_partition_error_is_a_value_error():
     assert issubclass(PartitionError, ValueError)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dirichlet_gives_no_more_samples_to_a_client_already_at_the_average_size(seed):
+    """§1.3's cap: classes are dealt in ascending order; once a client holds >= N/K samples it gets
+    nothing of the later classes (unless every client is capped). Without the cap, sizes spread."""
+    labels = np.repeat(np.arange(10), 100)
+    parts = pfedkit_partition(labels, "dirichlet", num_clients=10, seed=seed, alpha=0.1, least=0)
+    counts = np.stack([np.bincount(labels[p], minlength=10) for p in parts])  # [client, class]
+    before = np.cumsum(counts, axis=1) - counts  # each client's size before class c is dealt
+    average = len(labels) / 10
+    exercised = False
+    for c in range(10):
+        capped = before[:, c] >= average
+        if not capped.all():
+            assert (counts[capped, c] == 0).all(), f"class {c} went to a client already at the average"
+            exercised |= bool(capped.any())
+    assert exercised, "the scenario must exercise the cap"
+
+
+def test_public_partition_function_is_importable_from_pfedkit_data():
+    labels = np.repeat(np.arange(4), 25)
+    parts = pfedkit_partition(labels, "iid", num_clients=4, seed=0)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(100))
+    assert callable(pfedkit_partition)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, partition(labels, "iid", 4, 0)))

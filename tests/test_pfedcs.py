@@ -12,9 +12,9 @@ import pfedkit
 from pfedkit.algorithms.base import (Algorithm, ClientData, Fit, Forward, NoHyper, Setup,
                                      cross_entropy)
 from pfedkit.algorithms.params import clone, merge, num_parameters, select, weighted_mean
-from pfedkit.algorithms.pfedcs import (PFedCS, candidate_mask, classifier_distances, dca_terms,
-                                       dca_weights, distance_threshold, kl_guided_loss,
-                                       plan_collaboration, row_normalise)
+from pfedkit.algorithms.pfedcs import (PFedCS, candidate_mask, classifier_distances, classifier_loss,
+                                       dca_terms, dca_weights, distance_threshold, kl_guided_loss,
+                                       normalise_logits, plan_collaboration, row_normalise, teacher_logits)
 from pfedkit.config import load_config
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import build_model
@@ -107,6 +107,12 @@ def test_raw_distances_are_symmetric_with_zero_diagonal_and_normalised_rows_peak
     assert ((normalised >= 0) & (normalised <= 1)).all()
     assert (normalised.max(axis=1) == 1.0).all()
     assert not np.array_equal(normalised, normalised.T)  # generally not symmetric
+
+
+def test_each_row_is_divided_by_its_own_maximum():
+    raw = np.array([[0.0, 2.0, 4.0], [2.0, 0.0, 1.0], [4.0, 1.0, 0.0]])
+    expected = np.array([[0.0, 0.5, 1.0], [1.0, 0.0, 0.5], [1.0, 0.25, 0.0]])  # by columns: row 1 = .5, 0, .25
+    np.testing.assert_array_equal(row_normalise(raw), expected)
 
 
 def test_zero_distance_row_stays_zero_after_normalisation():
@@ -267,11 +273,14 @@ def test_kl_term_vanishes_when_teacher_equals_local_head():
     weight, bias = torch.randn(4, 5, generator=generator), torch.randn(4, generator=generator)
     y = torch.arange(9) % 4
     out = linear_forward(features, weight, bias)
-    loss = kl_guided_loss(out, y, {}, {"teacher_weight": weight, "teacher_bias": bias})
-    assert loss == cross_entropy(out, y, {}, {})
-    other_weight = weight + torch.randn(4, 5, generator=generator)  # (a constant shift would not change softmax)
-    other = kl_guided_loss(out, y, {}, {"teacher_weight": other_weight, "teacher_bias": bias})
-    assert other > loss
+    for kind in ("none", "l2"):
+        loss = kl_guided_loss(out, y, {}, {"teacher_weight": weight, "teacher_bias": bias}, normalisation=kind)
+        assert loss == classifier_loss(out, y, {}, {}, normalisation=kind)
+        other_weight = weight + torch.randn(4, 5, generator=generator)  # (a constant shift would not change softmax)
+        other = kl_guided_loss(out, y, {}, {"teacher_weight": other_weight, "teacher_bias": bias},
+                               normalisation=kind)
+        assert other > loss
+    assert classifier_loss(out, y, {}, {}, normalisation="none") == cross_entropy(out, y, {}, {})
 
 
 def test_teacher_receives_no_gradient_during_local_training():
@@ -284,7 +293,7 @@ def test_teacher_receives_no_gradient_during_local_training():
     y = torch.arange(9) % 4
     logits = F.linear(features, weight, bias)
     kl_guided_loss(Forward(features, logits), y, {},
-                   {"teacher_weight": teacher_weight, "teacher_bias": teacher_bias}).backward()
+                   {"teacher_weight": teacher_weight, "teacher_bias": teacher_bias}, normalisation="none").backward()
     assert teacher_weight.grad is None and teacher_bias.grad is None
     # d/dz [CE + KL(p^v || p^w)] = (p^w - onehot + p^w - p^v) / B, with p^v constant; the features
     # get gradient only through the student's logits
@@ -294,6 +303,29 @@ def test_teacher_receives_no_gradient_during_local_training():
         grad_logits = (2 * p_w - F.one_hot(y, 4) - p_v) / 9
     torch.testing.assert_close(weight.grad, grad_logits.T @ features.detach())
     torch.testing.assert_close(features.grad, grad_logits @ weight.detach())
+
+
+def test_l2_normalisation_divides_each_logit_vector_by_its_norm_and_keeps_the_prediction():
+    logits = torch.tensor([[3.0, 4.0, 0.0], [0.0, -1.0, 0.0]])
+    expected = torch.tensor([[0.6, 0.8, 0.0], [0.0, -1.0, 0.0]])
+    torch.testing.assert_close(normalise_logits(logits, "l2"), expected)
+    assert torch.equal(normalise_logits(logits, "none"), logits)
+    y = torch.tensor([1, 2])
+    hand = -(expected.log_softmax(1)[torch.arange(2), y]).mean()
+    torch.testing.assert_close(classifier_loss(Forward(logits, logits), y, {}, {}, normalisation="l2"), hand)
+    random = torch.randn(50, 7, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(normalise_logits(random, "l2").argmax(1), random.argmax(1))
+    with pytest.raises(ValueError, match="l2"):
+        normalise_logits(logits, "softmax")
+
+
+def test_frozen_teacher_logits_are_the_rows_of_the_batch():
+    table = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    index = torch.tensor([5, 2, 7])
+    out = Forward(torch.zeros(3, 4), torch.zeros(3, 3), index=index)
+    assert torch.equal(teacher_logits(out, {"teacher_logits": table}), table[index])
+    with pytest.raises(ValueError, match="index"):
+        teacher_logits(Forward(torch.zeros(3, 4), torch.zeros(3, 3)), {"teacher_logits": table})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,35 +344,73 @@ def drive(update, answer):
         return fits, stop.value
 
 
-def test_stage_one_fine_tunes_the_customised_head_then_trains_with_it_as_teacher():
+def loss_of(fit: Fit):
+    """(function, normalisation) of a Fit's loss (a functools.partial of a module function)."""
+    return fit.loss.func, fit.loss.keywords["normalisation"]
+
+
+def test_stage_one_fine_tunes_the_customised_head_then_trains_with_the_frozen_teacher():
     algo = tiny_algorithm(beta=3, rho=2, finetune_lr=0.02)
     params = algo.setup.ops.initial_params()
     own_head, customised = shifted(select(params, "head"), 1.0), shifted(select(params, "head"), 2.0)
     body = shifted(select(params, "body"), 0.5)
     tuned_head = shifted(customised, 0.25)
-    answers = iter([merge(body, tuned_head), merge(body, shifted(own_head, 0.1))])
+    answers = iter([merge(body, tuned_head), merge(shifted(body, 3.0), shifted(own_head, 0.1))])
+    data = tiny_data()
     fits, (state, reply) = drive(algo.client_update(2, 0, {"head": own_head}, {"body": body, "head": customised},
-                                                    tiny_data()), lambda fit: next(answers))
+                                                    data), lambda fit: next(answers))
     finetune, local = fits
     assert (finetune.trainable, finetune.epochs, finetune.lr) == ("head", 2, 0.02)
+    assert loss_of(finetune) == (classifier_loss, "l2")
     assert all(torch.equal(finetune.params[n], v) for n, v in merge(body, customised).items())
-    assert local.trainable == "all" and local.epochs is None and local.loss is kl_guided_loss
+    assert local.trainable == "all" and local.epochs is None and loss_of(local) == (kl_guided_loss, "l2")
     assert all(torch.equal(local.params[n], v) for n, v in merge(body, own_head).items())
-    assert torch.equal(local.context["teacher_weight"], tuned_head["head.fc.weight"])
-    assert torch.equal(local.context["teacher_bias"], tuned_head["head.fc.bias"])
+    # eq. 10: the teacher is the fine-tuned head on the DOWNLOADED body, one row per training sample
+    expected = algo.setup.ops.logits(merge(body, tuned_head), data.x_train, None)
+    torch.testing.assert_close(local.context["teacher_logits"][:data.n_train], expected)
     assert set(reply) == {"body", "head", "weight"} and reply["weight"] == 12
     assert torch.equal(state["head"]["head.fc.weight"], own_head["head.fc.weight"] + 0.1)
+    assert all(torch.equal(reply["body"][n], v) for n, v in shifted(body, 3.0).items())
+
+
+def test_current_features_teacher_option_sends_the_tuned_classifier():
+    algo = tiny_algorithm(beta=3, rho=2, teacher="current_features", logit_normalisation="none")
+    params = algo.setup.ops.initial_params()
+    body, customised = select(params, "body"), shifted(select(params, "head"), 2.0)
+    tuned_head = shifted(customised, 0.25)
+    answers = iter([merge(body, tuned_head), params])
+    fits, _ = drive(algo.client_update(1, 0, {"head": select(params, "head")}, {"body": body, "head": customised},
+                                       tiny_data()), lambda fit: next(answers))
+    local = fits[1]
+    assert loss_of(local) == (kl_guided_loss, "none") and "teacher_logits" not in local.context
+    assert torch.equal(local.context["teacher_weight"], tuned_head["head.fc.weight"])
+    assert torch.equal(local.context["teacher_bias"], tuned_head["head.fc.bias"])
+
+
+def test_frozen_teacher_pads_every_client_to_the_largest_training_set():
+    algo = tiny_algorithm(beta=3, rho=0)
+    algo.setup.train_counts[1] = [10, 10, 10]  # the largest client holds 30 training samples
+    params = algo.setup.ops.initial_params()
+    data = tiny_data(n=12)
+    fits, _ = drive(algo.client_update(1, 0, {"head": select(params, "head")},
+                                       {"body": select(params, "body"), "head": select(params, "head")}, data),
+                    lambda fit: fit.params)
+    table = fits[0].context["teacher_logits"]
+    assert table.shape == (30, NUM_CLASSES)
+    assert torch.equal(table[12:], torch.zeros(18, NUM_CLASSES))
 
 
 def test_rho_zero_uses_the_customised_head_as_teacher_without_fine_tuning():
     algo = tiny_algorithm(beta=3, rho=0)
     params = algo.setup.ops.initial_params()
     customised = shifted(select(params, "head"), 2.0)
+    data = tiny_data()
     fits, _ = drive(algo.client_update(1, 0, {"head": select(params, "head")},
-                                       {"body": select(params, "body"), "head": customised}, tiny_data()),
+                                       {"body": select(params, "body"), "head": customised}, data),
                     lambda fit: fit.params)
-    assert len(fits) == 1 and fits[0].loss is kl_guided_loss
-    assert torch.equal(fits[0].context["teacher_weight"], customised["head.fc.weight"])
+    assert len(fits) == 1 and loss_of(fits[0]) == (kl_guided_loss, "l2")
+    expected = algo.setup.ops.logits(merge(select(params, "body"), customised), data.x_train, None)
+    torch.testing.assert_close(fits[0].context["teacher_logits"][:data.n_train], expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +427,7 @@ def test_after_beta_uploads_have_no_head_and_training_is_plain_fedper():
                                                         tiny_data()), lambda fit: fit.params)
         assert set(reply) == {"body", "weight"}
     assert len(fits) == 1
-    assert fits[0].loss is cross_entropy and fits[0].trainable == "all" and fits[0].epochs is None
+    assert loss_of(fits[0]) == (classifier_loss, "l2") and fits[0].trainable == "all" and fits[0].epochs is None
     assert all(torch.equal(fits[0].params[n], v) for n, v in merge(body, head).items())
     server = algo.aggregate(3, {"body": body}, {0: reply})
     assert set(server) == {"body"}
@@ -392,7 +462,7 @@ class ReferenceFedPer(Algorithm):
 
 
 def test_rounds_after_beta_are_identical_to_fedper(tmp_path):
-    config = run_config(tmp_path, num_clients=4, pfedcs={"beta": 0})
+    config = run_config(tmp_path, num_clients=4, pfedcs={"beta": 0, "logit_normalisation": "none"})
     pfedcs = pfedkit.run(config)
     prepared = prepare(load_config(config))
     simulation = prepared.simulation

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import pfedkit
 from pfedkit.algorithms.base import ClientData, Forward, Setup, message_bytes
-from pfedkit.algorithms.pfedpm import (UNAVAILABLE_SCORE, PFedPM, RPFedPM, class_means, feature_distance,
+from pfedkit.algorithms.pfedpm import (UNAVAILABLE_SCORE, PFedPM, RPFedPM, class_distance_regulariser,
+                                       class_means, feature_distance,
                                        global_features, message_to_table, mix_features, pfedpm_loss,
                                        prototype_regulariser, relation_class_features, relation_logits,
                                        relation_loss, table_to_message, train_relation)
@@ -112,6 +113,23 @@ def test_global_feature_is_count_weighted_mean_of_uploads_and_order_independent(
     for c in range(C):
         owners = [f[c] for f, _ in uploads if c in f]
         torch.testing.assert_close(uniform[c], sum(owners) / len(owners))
+    printed, _ = global_features(uploads, "printed")  # FedProto's printed formula: "count" / |N_c|
+    for c in range(C):
+        owners = sum(1 for f, _ in uploads if c in f)
+        torch.testing.assert_close(printed[c], means[c] / owners)
+
+
+def test_class_distance_regulariser_is_eq_11_over_the_batch_classes():
+    features = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 4.0], [5.0, 5.0]])
+    labels = torch.tensor([0, 0, 1, 2])
+    mixed = torch.tensor([[1.0, 1.0], [0.0, 0.0], [9.0, 9.0]])
+    has_mixed = torch.tensor([True, True, False])  # class 2 has no mixed feature: left out
+    # class 0: batch mean (2, 1), distance^2 to (1, 1) = 1; class 1: (0, 4) to (0, 0) = 16
+    assert float(class_distance_regulariser(features, labels, mixed, has_mixed)) == 17.0
+    assert float(class_distance_regulariser(features, labels, mixed, torch.zeros(3, dtype=torch.bool))) == 0.0
+    loss = pfedpm_loss(Forward(features, torch.zeros(4, 3)), labels, {}, {"mixed": mixed, "has_mixed": has_mixed},
+                       lam=0.5, regulariser="class_distance")
+    torch.testing.assert_close(loss, torch.log(torch.tensor(3.0)) + 0.5 * 17.0)
 
 
 def test_class_uploaded_by_nobody_has_no_global_feature():

@@ -2,6 +2,8 @@
 
 An algorithm never owns a round loop. The engine (`pfedkit.engine.simulate`) calls, each round:
 
+    reports = {cid: algo.client_report(rnd, cid, ...)}            # optional upload before the broadcast
+    server = algo.collect(rnd, server, reports)                    # (only if some client reported)
     messages = algo.broadcast(rnd, server, participants)          # what each client downloads
     for each participant (in lock-step, so a runtime can batch them):
         gen = algo.client_update(rnd, cid, client_state, message, data)
@@ -9,6 +11,10 @@ An algorithm never owns a round loop. The engine (`pfedkit.engine.simulate`) cal
         ... return new_client_state, reply_message
     server = algo.aggregate(rnd, server, replies)
     model used by client cid = algo.client_model(cid, server, client_state)   # for evaluation
+
+Before round 1 the engine asks EVERY client for `client_report(0, ...)`: the setup-time exchange
+(round 0) for what a method sends once before training (DA-PFL's class counts); its bytes are
+counted in round-0 rows of the metrics and in the summary's `bytes_setup`.
 
 Because `client_update` *yields* `Fit` requests instead of training, the same definition runs in
 the sequential trainer, in worker processes and (later) vectorized or over Flower. Messages are
@@ -183,6 +189,20 @@ class Algorithm:
 
     def init_client(self, cid: int, params: Params) -> Any:
         return None
+
+    def client_report(self, rnd: int, cid: int, client: Any, data: "ClientData") -> Message | None:
+        """What client `cid` uploads BEFORE the round's broadcast (None: nothing, the default).
+
+        rnd = 0: the one-off setup exchange, asked of every client before round 1. rnd >= 1: asked
+        of the round's participants (DA-PFL's current models w_j^{t-1}). Read-only: the client
+        state is not changed here. Bytes are counted as the client's upload of that round."""
+        return None
+
+    def collect(self, rnd: int, server: Any, reports: dict[int, Message]) -> Any:
+        """The server receives the round's `client_report` messages (called only when some client
+        reported); returns the new server state. Anything kept only for this round should be
+        dropped again in `aggregate`, so checkpoints and memory do not grow with it."""
+        return server
 
     def broadcast(self, rnd: int, server: Any, cids: list[int]) -> dict[int, Message]:
         return {cid: {} for cid in cids}

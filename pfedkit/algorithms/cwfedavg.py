@@ -16,6 +16,12 @@ Messages (spec §3.8, default mix_on="server"): down = the personalised model w_
 up = the trained model + n_i, the same bytes as FedAvg. mix_on="client" reproduces the authors'
 code: the client downloads the shared layers and all C class-wise layers and mixes them itself.
 
+Partial participation [ours]: eq. 6 runs over the round's participants; a class that none of
+them holds (p~_ij < held_share / C for all of them) keeps its previous class-wise model instead
+of an average of clients without it. Under full participation eq. 6 is the paper's, unchanged.
+`check()` refuses, before the run directory exists, a class_wise_layers the model cannot take and
+a model without a C-row output Linear layer.
+
 Server state: {"shared": FedAvg layers, "class_wise": list of C dicts of the class-wise layers,
 "class_dist": [N, C] the p~ (or p) the server last saw of each client, 1/C before any upload}.
 Client state: None with mix_on="server"; {"class_dist": [C]} (what it mixes with) otherwise.
@@ -34,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
 from pfedkit.algorithms.params import Params, clone, weighted_mean
+from pfedkit.config import ConfigError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,27 +106,38 @@ def class_wise_weights(class_dist: np.ndarray, sizes: np.ndarray) -> tuple[np.nd
 
 
 def class_wise_models(params: Sequence[Params], class_dist: np.ndarray, sizes: np.ndarray,
-                      previous: Sequence[Params] | None = None) -> list[Params]:
+                      previous: Sequence[Params] | None = None, keep: np.ndarray | None = None) -> list[Params]:
     """Eq. (5)-(6): the C class-wise global models w_j^G = sum_i q_ij w_i.
 
     params: the N uploaded state dicts (any common subset of layers); class_dist [N, C]: p~ (or
-    the empirical p) of each; sizes [N]: n_i. A class without mass keeps `previous[j]` [ours];
-    without `previous` that is an error.
+    the empirical p) of each; sizes [N]: n_i. A class without mass, or marked in `keep` [C] bool,
+    keeps `previous[j]` [ours]; without `previous` that is an error.
     """
     if not params:
         raise ValueError("class_wise_models needs at least one uploaded model")
     q, has_mass = class_wise_weights(class_dist, sizes)
+    averaged = has_mass if keep is None else has_mass & ~np.asarray(keep, dtype=bool)
     models = []
     for j in range(q.shape[1]):
-        if has_mass[j]:
+        if averaged[j]:
             contributors = np.flatnonzero(q[:, j] > 0)
             models.append(weighted_mean([params[i] for i in contributors], q[contributors, j]))
         elif previous is not None:
             models.append(previous[j])
         else:
-            raise ValueError(f"class {j} has zero aggregation mass (no client carries it); pass "
-                             "previous= to keep its last model")
+            raise ValueError(f"class {j} has zero aggregation mass (no client carries it) or is marked "
+                             "to keep; pass previous= to keep its last model")
     return models
+
+
+def unheld_classes(class_dist: np.ndarray, held_share: float) -> np.ndarray:
+    """Classes no client of `class_dist` [N, C] holds [ours]: p_ij < held_share / C for every i.
+
+    A client "holds" class j when its (estimated) share of j is at least `held_share` times the
+    uniform share 1/C (held_share = 1: at least 1/C; 0: every class is held). Returns [C] bool.
+    """
+    class_dist = np.asarray(class_dist, dtype=np.float64)
+    return (class_dist < held_share / class_dist.shape[1]).all(axis=0)
 
 
 def personalised_model(class_models: Sequence[Params], class_dist: np.ndarray | torch.Tensor) -> Params:
@@ -163,9 +181,14 @@ def output_weight_name(params: Params) -> str:
     return names[-1]
 
 
+def model_layers(params: Params) -> list[str]:
+    """The layers with parameters, in model order (unique module prefixes)."""
+    return list(dict.fromkeys(layer_of(n) for n in params))
+
+
 def class_wise_names(params: Params, class_wise_layers: str | int) -> list[str]:
     """Parameter names aggregated class-wise: the last L layers ("output" = 1, "all" = every one)."""
-    layers = list(dict.fromkeys(layer_of(n) for n in params))  # model order, unique
+    layers = model_layers(params)
     if class_wise_layers == "all":
         chosen = set(layers)
     else:
@@ -178,6 +201,38 @@ def class_wise_names(params: Params, class_wise_layers: str | int) -> list[str]:
     if layer_of(output_weight_name(params)) not in chosen:
         raise ValueError("cwfedavg: the class-wise layers must include the output layer")
     return [n for n in params if layer_of(n) in chosen]
+
+
+def short_list(names: Sequence[str], limit: int = 6) -> str:
+    """`a, b, c` or, for long lists, `a, b, ..., y, z` (for one-line error messages)."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join([*names[:2], "...", *names[-2:]])
+
+
+def model_mismatch(params: Params, num_classes: int, class_wise_layers: str | int, model: str) -> str | None:
+    """Why the options cannot run on this model (one ConfigError line), or None when they fit."""
+    try:
+        output = output_weight_name(params)
+    except ValueError:
+        return (f"model: {model} has no output Linear layer in its head (no 2-D head.*.weight); cwfedavg "
+                "reads the class distribution off its rows (eq. 4); use a model whose head ends in a Linear layer")
+    rows = params[output].shape[0]
+    if rows != num_classes:
+        return (f"model: the output layer {output} of {model} has {rows} rows but the data has "
+                f"{num_classes} classes; cwfedavg needs one row per class (eq. 4); build the model with "
+                f"{num_classes} outputs")
+    layers = model_layers(params)
+    count = {"output": 1, "all": len(layers)}.get(class_wise_layers, class_wise_layers)
+    if count > len(layers):
+        return (f"cwfedavg.class_wise_layers: {count} but {model} has only {len(layers)} layers with "
+                f"parameters ({short_list(layers)}); allowed: 1..{len(layers)}, 'output' or 'all'; "
+                f"set cwfedavg.class_wise_layers={len(layers)} (= all) or less")
+    if layer_of(output) not in layers[-count:]:
+        return (f"cwfedavg.class_wise_layers: the last {count} layers of {model} "
+                f"({short_list(layers[-count:])}) do not include its output layer {layer_of(output)}; "
+                "the output layer must be class-wise; use 'all' or a larger number")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +263,12 @@ class CwFedAvg(Algorithm):
             with the p~ of its own last trained model).
         initial_distribution: p~ before a client's first upload: "uniform" 1/C (paper) or
             "initial_model" (eq. 4 on the initial weights, code).
+        held_share: partial participation only [ours]: a participant holds class j when its p~_ij
+            (p_ij with distribution=empirical) is at least held_share / C (1: the uniform share); a
+            class that no participant of the round holds keeps its previous class-wise model instead
+            of an eq. 6 average of clients without it. 0: eq. 6 over the participants for every
+            class with mass (only zero-mass classes keep, the behaviour before this option). Under
+            full participation eq. 6 is used as the paper writes it, whatever held_share.
         """
         model_config = ConfigDict(extra="forbid")
         class_wise_layers: Literal["output", "all"] | PositiveInt = Field(
@@ -219,6 +280,8 @@ class CwFedAvg(Algorithm):
         empirical_from: Literal["train", "train_and_test"] = Field("train", description="counts behind p_i")
         mix_on: Literal["server", "client"] = Field("server", description="who forms the eq. 7 mixture")
         initial_distribution: Literal["uniform", "initial_model"] = Field("uniform", description="p~ before any upload")
+        held_share: float = Field(1.0, ge=0, le=1, description="partial participation: a class no participant "
+                                  "holds (p~_ij >= held_share/C) keeps its previous class-wise model")
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -241,6 +304,14 @@ class CwFedAvg(Algorithm):
         return empirical_distribution(counts)
 
     # -- hooks ----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse options that do not fit the run's model (one ConfigError line)."""
+        template = self.setup.ops.template
+        problem = model_mismatch(dict(template.named_parameters()), self.setup.num_classes,
+                                 self.h.class_wise_layers, type(template).__name__)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def init_server(self, params: Params) -> dict[str, Any]:
         cw_names = class_wise_names(params, self.h.class_wise_layers)
@@ -288,28 +359,45 @@ class CwFedAvg(Algorithm):
         return {"class_dist": next_mixing}, reply
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
+        """Algorithm 1 lines 8-9: p~ of every upload (eq. 4), class-wise models (eq. 6), FedAvg layers."""
         self.record_true_distribution(rnd)
         cids = sorted(c for c in replies if replies[c]["weight"] > 0)  # n_i = 0 clients are excluded
         if not cids:
             return server
         uploads = [replies[c]["params"] for c in cids]
         sizes = np.array([float(replies[c]["weight"]) for c in cids])
-        out_name = output_weight_name(uploads[0])
-        estimated = np.stack([estimate_class_distribution(u[out_name]).double().numpy() for u in uploads])
-        if self.h.distribution == "empirical":
-            used = np.stack([np.asarray(replies[c]["class_distribution"], dtype=np.float64) for c in cids])
-        else:
-            used = estimated
+        estimated, used = self.upload_distributions(replies, cids)
+        keep = self.classes_to_keep(used, sizes, full=len(replies) == self.setup.num_clients)
         cw_names = list(server["class_wise"][0])
         class_models = class_wise_models([{n: u[n] for n in cw_names} for u in uploads], used, sizes,
-                                         previous=server["class_wise"])
+                                         previous=server["class_wise"], keep=keep)
         shared_names = list(server["shared"])
         shared = (weighted_mean([{n: u[n] for n in shared_names} for u in uploads], sizes)
                   if shared_names else {})
         class_dist = server["class_dist"].clone()
         class_dist[cids] = torch.as_tensor(used, dtype=class_dist.dtype)
         self.record_estimates(rnd, cids, estimated)
+        self.record(rnd, "kept_class_models", np.flatnonzero(keep))
         return {"shared": shared, "class_wise": class_models, "class_dist": class_dist}
+
+    def upload_distributions(self, replies: dict[int, Message], cids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(p~ of each upload by eq. 4, the distribution eq. 6-7 use: p~ or the sent empirical p), [P, C]."""
+        out_name = output_weight_name(replies[cids[0]]["params"])
+        estimated = np.stack([estimate_class_distribution(replies[c]["params"][out_name]).double().numpy()
+                              for c in cids])
+        if self.h.distribution != "empirical":
+            return estimated, estimated
+        sent = np.stack([np.asarray(replies[c]["class_distribution"], dtype=np.float64) for c in cids])
+        return estimated, sent
+
+    def classes_to_keep(self, used: np.ndarray, sizes: np.ndarray, full: bool) -> np.ndarray:
+        """[C] bool: classes whose class-wise model stays as it was this round [ours].
+
+        Zero eq. 6 mass always; under partial participation also every class no participant holds
+        (`unheld_classes` with `held_share`). Full participation: eq. 6 exactly as the paper.
+        """
+        no_mass = ~class_wise_weights(used, sizes)[1]
+        return no_mass if full else no_mass | unheld_classes(used, self.h.held_share)
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         mixing = client["class_dist"] if self.h.mix_on == "client" else server["class_dist"][cid]

@@ -7,20 +7,16 @@ models with weights `alpha_ij ∝ c_ij (1 - exp(-(||w_i - w_j||² + eps)/sigma))
 distributions (eq. 3-6). The client keeps its own model and trains it from where it was, with the
 proximal pull `lambda/2 ||w - w_i^g||²` towards that mix (eq. 2/10).
 
-How the protocol maps onto the engine's round (broadcast -> client_update -> aggregate):
+How the protocol maps onto the engine's round (client_report -> collect -> broadcast ->
+client_update -> aggregate), as in the paper:
 
-* The paper's participants upload `w_j^{t-1}` at the start of round t. The engine has no
-  client->server step before `broadcast`, so each participant uploads its trained model in its
-  reply instead and the server keeps the latest upload of every client (clients that never took
-  part still hold the common initial model, which the server created). A client's model does not
-  change while it sits out, so the server uses exactly `w_j^{t-1}`; the bytes are the same (one
-  model up, one model down per participation), only counted at the end of the previous
-  participation. Cost: the server holds up to N models instead of m (in the simulator they are the
-  same tensors as the client states, so no extra memory).
-* The one-off class-count upload (§5.5 step 0, §5.7) has no setup-time message in the engine
-  either. The server builds the affinity from the counts before round 1 (the paper's step 0) and
-  every client attaches its count vector to its FIRST reply, so those K int64 numbers are counted
-  once per client; the server checks that what arrives is what it used.
+* Setup (Algorithm 1, lines 1-3; §5.5 step 0): every client uploads its class counts S_i once, in
+  the engine's round-0 exchange (`client_report(0)`, counted in `bytes_setup`); the server builds
+  the affinity from what it received and keeps only the affinity and the counts.
+* Round t: each participant uploads its current model w_j^{t-1} before the broadcast
+  (`client_report(t)`), the server mixes them per participant (eq. 7-9) and sends w_i^g down, the
+  client trains its own model and replies with nothing. The uploads are dropped in `aggregate`, so
+  the server keeps no model between rounds: its memory is O(N^2) affinity numbers, not N models.
 """
 from __future__ import annotations
 
@@ -37,6 +33,8 @@ from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Fo
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.params import Params, clone, flatten, weighted_mean
 
+# The proximal weight λ: the paper gives no value; chosen from the sweep in docs/algorithms/dapfl.md.
+LAM_DEFAULT = 1.0
 # Centred count vectors whose norm is below this (relative to the common mean) count as zero.
 _ZERO_NORM = 1e-12
 
@@ -161,15 +159,20 @@ def log_one_minus_exp_neg(x: np.ndarray) -> np.ndarray:
         return np.where(x <= np.log(2.0), np.log(-np.expm1(-x)), np.log1p(-np.exp(-np.maximum(x, np.log(2.0)))))
 
 
-def aggregation_weights(affinity_row: np.ndarray, distances_sq: np.ndarray, sigma: float, eps: float) -> np.ndarray:
+def aggregation_weights(affinity_row: np.ndarray, distances_sq: np.ndarray, sigma: float, eps: float,
+                        zero_affinity: str = "uniform") -> np.ndarray:
     """Eq. (7)-(8): alpha_ij for one participant i over the OTHER participants j.
 
     theta_ij = c_ij / Σ_j' c_ij' · (1 - exp(-(||w_i - w_j||² + eps) / sigma)),
     alpha_ij = theta_ij / Σ_j' theta_ij'.
     Computed in the log domain (log c + log(1 - e^{-x}), normalised by log-sum-exp) in float64, so
     neither tiny nor huge (d + eps)/sigma underflows. The first normalisation cancels: alpha is
-    unchanged when the row is scaled. Degenerate rows [ours]: Σ c = 0 or every theta = 0 ->
-    uniform 1/(m-1).
+    unchanged when the row is scaled.
+
+    A row whose affinities are all 0 (the client's every other participant has the minimum
+    affinity, e.g. shares no class with it) leaves eq. 7 at 0/0 [ours]: `zero_affinity="uniform"`
+    gives 1/(m-1) to every other participant; `"distance"` weights by the distance term alone,
+    (1 - e^{-(d+eps)/sigma}) normalised. Every theta = 0 otherwise -> uniform.
     """
     row = np.asarray(affinity_row, dtype=np.float64)
     distances = np.asarray(distances_sq, dtype=np.float64)
@@ -182,10 +185,14 @@ def aggregation_weights(affinity_row: np.ndarray, distances_sq: np.ndarray, sigm
         raise ValueError("aggregation_weights: affinities, squared distances and eps must be non-negative")
     if row.size == 0:
         return row
+    if zero_affinity not in ("uniform", "distance"):
+        raise ValueError(f"aggregation_weights: zero_affinity must be 'uniform' or 'distance', got {zero_affinity!r}")
     uniform = np.full(row.size, 1.0 / row.size)
     total = row.sum()
     if total <= 0:
-        return uniform
+        if zero_affinity == "uniform":
+            return uniform
+        row, total = np.ones(row.size), float(row.size)
     with np.errstate(divide="ignore"):
         log_theta = np.log(row / total) + log_one_minus_exp_neg((distances + eps) / sigma)
     if np.isneginf(log_theta).all():
@@ -237,9 +244,14 @@ class DAPFL(Algorithm):
     class Hyper(BaseModel):
         """DA-PFL hyperparameters (spec §5.6). [ours] marks a choice the paper leaves open.
 
-        lam: proximal weight λ of eq. (2)/(10) (paper: not stated; 0.1 [ours]).
-        sigma: distance scale σ of eq. (7) (paper: not stated; 1.0 [ours]), or "median" = the median
-            off-diagonal squared model distance of the round [ours].
+        lam: proximal weight λ of eq. (2)/(10) (paper: not stated; LAM_DEFAULT [ours], from the
+            sweep in docs/algorithms/dapfl.md).
+        sigma: distance scale σ of eq. (7) (paper: not stated). Default "median" [ours]: the median
+            off-diagonal squared model distance of the round, so (d + ε)/σ is O(1) and the distance
+            term really changes the weights; a fixed number such as 1.0 makes 1 - e^{-d/σ} ≈ 1 for
+            every pair of trained models (weights ∝ affinity alone: the paper's ablation V2).
+        zero_affinity: weights of a participant whose affinity row over the others is all 0:
+            "uniform" over the other participants [ours, default] or "distance" term alone.
         eps: ε of eq. (7), "an infinitesimal positive number" (1e-8).
         affinity_normalisation: "minmax" (c - min)/(max - min) over off-diagonal entries [ours
             reading of "normalise to [0, 1]"]; "max" c/max keeps no-overlap pairs positive.
@@ -251,9 +263,11 @@ class DAPFL(Algorithm):
         """
         model_config = ConfigDict(extra="forbid")
 
-        lam: float = Field(0.1, ge=0, description="proximal weight λ (eq. 2/10)")
+        lam: float = Field(LAM_DEFAULT, ge=0, description="proximal weight λ (eq. 2/10)")
         sigma: Annotated[float, Field(gt=0)] | Literal["median"] = Field(
-            1.0, description="distance scale σ of eq. 7, or 'median' of the round's squared distances")
+            "median", description="distance scale σ of eq. 7, or 'median' of the round's squared distances")
+        zero_affinity: Literal["uniform", "distance"] = Field(
+            "uniform", description="weights when a participant's affinity row is all 0")
         eps: float = Field(1e-8, gt=0, description="ε of eq. 7")
         affinity_normalisation: Literal["minmax", "max"] = "minmax"
         no_overlap: Literal["global_min", "row_min"] = "global_min"
@@ -263,29 +277,39 @@ class DAPFL(Algorithm):
     # --- state -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        """Setup (Algorithm 1, lines 1-3): the affinity from every client's class counts S_i."""
-        counts = np.asarray(self.setup.train_counts, dtype=np.int64)
-        return {
-            "class_counts": counts,
-            "affinity": affinity(counts, normalisation=self.h.affinity_normalisation, no_overlap=self.h.no_overlap,
-                                 acs_both_constant=self.h.acs_both_constant, acs_one_constant=self.h.acs_one_constant),
-            "initial": clone(params),  # what every client holds until its first upload
-            "models": {},              # cid -> latest uploaded model w_j
-        }
+        return {"class_counts": None, "affinity": None}  # filled by the setup exchange
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
-        return {"params": clone(params), "counts_sent": False}
+        return {"params": clone(params)}
+
+    def client_report(self, rnd: int, cid: int, client: dict, data: ClientData) -> Message:
+        """Round 0: the one-off class counts S_i (§5.7). Round t: the current model w_i^{t-1}."""
+        if rnd == 0:
+            return {"class_counts": np.asarray(data.class_counts, dtype=np.int64)}
+        return {"params": client["params"]}
+
+    def collect(self, rnd: int, server: dict, reports: dict[int, Message]) -> dict[str, Any]:
+        if rnd > 0:
+            return {**server, "uploads": {cid: reports[cid]["params"] for cid in sorted(reports)}}
+        if sorted(reports) != list(range(self.setup.num_clients)):
+            raise ValueError(f"dapfl: the setup exchange needs every client's class counts, got {sorted(reports)}")
+        counts = np.stack([reports[cid]["class_counts"] for cid in sorted(reports)])  # Algorithm 1, lines 1-3
+        matrix = affinity(counts, normalisation=self.h.affinity_normalisation, no_overlap=self.h.no_overlap,
+                          acs_both_constant=self.h.acs_both_constant, acs_one_constant=self.h.acs_one_constant)
+        self.record(0, "affinity", matrix.astype(np.float32))
+        return {"class_counts": counts, "affinity": matrix}
 
     # --- round -------------------------------------------------------------------------------
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
         """Eq. (7)-(9) for every participant; sends w_i^g to i (nothing when i is alone)."""
-        models = [server["models"].get(cid, server["initial"]) for cid in cids]
+        models = [server["uploads"][cid] for cid in cids]
         distances = pairwise_squared_distances(models)
         sigma = resolve_sigma(self.h.sigma, distances)
         n = self.setup.num_clients
         weights = np.full((n, n), np.nan, dtype=np.float32)  # rows: receiving participant
         messages: dict[int, Message] = {}
+        zero_rows = 0
         for pos, cid in enumerate(cids):
             others = [q for q in range(len(cids)) if q != pos]
             weights[cid] = 0.0
@@ -293,13 +317,14 @@ class DAPFL(Algorithm):
                 messages[cid] = {}  # m = 1: w_i^g = w_i, which the client already holds
                 continue
             other_cids = [cids[q] for q in others]
-            alpha = aggregation_weights(server["affinity"][cid, other_cids], distances[pos, others], sigma, self.h.eps)
+            row = server["affinity"][cid, other_cids]
+            zero_rows += int(row.sum() <= 0)
+            alpha = aggregation_weights(row, distances[pos, others], sigma, self.h.eps, self.h.zero_affinity)
             weights[cid, other_cids] = alpha
             messages[cid] = {"params": weighted_mean([models[q] for q in others], alpha)}
-        if "affinity" not in self.diagnostics:
-            self.record(rnd, "affinity", server["affinity"].astype(np.float32))
         self.record(rnd, "aggregation_weights", weights)
         self.record(rnd, "sigma", sigma)
+        self.record(rnd, "zero_affinity_rows", zero_rows)
         return messages
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
@@ -307,24 +332,11 @@ class DAPFL(Algorithm):
         own = client["params"]
         anchor = message.get("params", own)
         trained = yield Fit(own, loss=partial(local_objective, lam=self.h.lam), context={"anchor": anchor})
-        reply: Message = {"params": trained}
-        if not client["counts_sent"]:
-            # The one-off upload of S_i (§5.7), carried by the first reply so its bytes are counted.
-            reply["class_counts"] = np.asarray(data.class_counts, dtype=np.int64)
-        return {"params": trained, "counts_sent": True}, reply
+        return {"params": trained}, {}  # the new model goes up at the client's next participation
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
-        """Keep each participant's upload: it is w_j^{t'-1} at its next participation t'."""
-        models = dict(server["models"])
-        for cid in sorted(replies):
-            reply = replies[cid]
-            if "class_counts" in reply:
-                received = np.asarray(reply["class_counts"])
-                if not np.array_equal(received, server["class_counts"][cid]):
-                    raise ValueError(f"dapfl: client {cid} uploaded class counts {received.tolist()} but the affinity "
-                                     f"was built from {server['class_counts'][cid].tolist()}; the two must agree")
-            models[cid] = reply["params"]
-        return {**server, "models": models}
+        """Nothing to aggregate after training; the round's uploads are dropped (no model is kept)."""
+        return {key: value for key, value in server.items() if key != "uploads"}
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """The client's own model after its latest local training (the initial model if it never took part)."""

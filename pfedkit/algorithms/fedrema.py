@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
 from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
+from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, torch_generator
 
 PROBE_PURPOSE = "fedrema-probe"
@@ -266,6 +267,20 @@ class FedReMa(Algorithm):
     def uploads_prototypes(self) -> bool:
         return self.aligns_features or self.h.probe == "prototypes"
 
+    def check(self) -> None:
+        """Refuse options that cannot act on this run's model (one ConfigError line each)."""
+        if self.h.variant != "none" and not select(self.setup.ops.initial_params(), "body"):
+            raise ConfigError(
+                f"fedrema.variant={self.h.variant}: the model's body has no parameters (FedReMa's head is "
+                "every fully connected layer, so the mlp's body is only the flatten), so feature alignment "
+                "cannot change a feature and there is no body phase to alternate with; needs a model with "
+                "layers before its FC head (model=cnn on mnist, alexnet on cifar10); or set fedrema.variant=none")
+        if self.h.head_epochs is not None and not self.alternates:
+            raise ConfigError(
+                f"fedrema.head_epochs={self.h.head_epochs}: only the alternating variants A and AF have a "
+                f"head phase, but fedrema.variant={self.h.variant}; set fedrema.variant=A (or AF) or drop "
+                "fedrema.head_epochs")
+
     # -- state ----------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
@@ -310,12 +325,13 @@ class FedReMa(Algorithm):
         if not self.alternates:
             return (yield Fit(params, loss=body_loss, context=context))
         params = yield Fit(params, trainable="head", epochs=self.h.head_epochs)
-        if select(params, "body"):  # a parameter-free body (MLP with head="fc") has no body phase
-            params = yield Fit(params, loss=body_loss, trainable="body", context=context)
-        return params
+        return (yield Fit(params, loss=body_loss, trainable="body", context=context))
 
     def _prototype_upload(self, params: Params, data: ClientData) -> Message:
-        features = torch.cat([self.setup.ops.features(params, chunk)
+        """The client's class prototypes, from its body in eval mode with its OWN BatchNorm
+        statistics (`data.buffers`, as left by this round's Fit), not the model's initial ones."""
+        buffers = data.buffers
+        features = torch.cat([self.setup.ops.features(params, chunk, buffers)
                               for chunk in data.x_train.split(FEATURE_CHUNK)]).reshape(data.n_train, -1)
         classes, prototypes, counts = class_prototypes(features, data.y_train, self.setup.num_classes)
         upload = {"prototypes": prototypes, "prototype_classes": classes}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,12 +52,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
-                                     cross_entropy, register)
+from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
 from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
+from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import derive_seed
 
 GROUPINGS = ("gmm", "kmeans", "agglomerative", "fixed")
+NORMALISATIONS = ("l2", "none")
+TEACHERS = ("frozen", "current_features")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,22 +221,61 @@ def plan_collaboration(normalised: np.ndarray, counts: Sequence[float], k: int, 
     return Collaboration([others[i] for i in np.flatnonzero(candidates)], collaborators, threshold, weights)
 
 
-def kl_guided_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any]) -> torch.Tensor:
-    """Eq. 12: L_EN = CE(p^w, y) + KL(p^v || p^w), temperature 1, KL averaged over the batch.
+def normalise_logits(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """The paper's classifier g is "a linear transformation with weight phi_k and bias, followed by
+    *Normalization* and *Softmax*" (section "Adaptive Collaborator Selection Mechanism"); the paper
+    names no kind of normalisation and gives no formula.
 
-    p^w = softmax of the local head's logits; p^v = softmax(g_v(h)) with the fine-tuned customised
-    classifier v (context["teacher_weight"], context["teacher_bias"]) on the CURRENT features h,
-    computed without gradient (a frozen teacher: neither v nor the body learns through it) [ours].
+    "l2" [ours: the kind]: each sample's logit vector divided by its L2 norm, z / max(||z||_2, 1e-12)
+    (F.normalize over the classes), so p = softmax(z / ||z||). A positive per-sample scale, so the
+    predicted class (argmax) is the head's own; the probabilities, the losses and their gradients
+    are not. "none": p = softmax(z), a plain Linear classifier.
+    """
+    if kind == "l2":
+        return F.normalize(logits, p=2.0, dim=-1)
+    if kind == "none":
+        return logits
+    raise ValueError(f"logit normalisation must be one of {', '.join(NORMALISATIONS)}, got {kind!r}")
+
+
+def classifier_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                    normalisation: str = "l2") -> torch.Tensor:
+    """L_CE(p, y) with p = softmax(norm(z)), mean over the batch: eq. 9-10 (fine-tuning the
+    customised classifier) and stage 2's FedPer training."""
+    return F.cross_entropy(normalise_logits(out.logits, normalisation), y)
+
+
+def teacher_logits(out: Forward, context: Mapping[str, Any]) -> torch.Tensor:
+    """The teacher's raw logits for the batch, as the Fit context defines the teacher.
+
+    context["teacher_logits"] [n, C] (teacher="frozen"): eq. 10's g(f(x; theta^t); v_bar), the
+    fine-tuned customised classifier on the downloaded body, computed once per Fit for every
+    training sample; the batch's rows are out.index. context["teacher_weight"] / ["teacher_bias"]
+    (teacher="current_features" [ours]): v_bar applied to the CURRENT (trainable) features, detached.
+    """
+    if "teacher_logits" in context:
+        if out.index is None:
+            raise ValueError("kl_guided_loss with a frozen teacher needs Forward.index (the batch's rows)")
+        return context["teacher_logits"][out.index]
+    features = out.features.detach()
+    weight = context["teacher_weight"].to(features.dtype)
+    bias = context.get("teacher_bias")
+    return F.linear(features, weight, None if bias is None else bias.to(features.dtype))
+
+
+def kl_guided_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                   normalisation: str = "l2") -> torch.Tensor:
+    """Eq. 12-13: L_EN = CE(p^w, y) + KL(p^v || p^w), temperature 1, KL averaged over the batch.
+
+    p^w = softmax(norm(z)) of the local classifier, p^v = softmax(norm(z_v)) of the teacher
+    (`teacher_logits`), computed without gradient: neither v_bar nor the body learns through it.
     """
     with torch.no_grad():
-        features = out.features.detach()
-        weight = context["teacher_weight"].to(features.dtype)
-        bias = context.get("teacher_bias")
-        teacher_logits = F.linear(features, weight, None if bias is None else bias.to(features.dtype))
-        teacher_log_probs = F.log_softmax(teacher_logits, dim=1)
-    student_log_probs = F.log_softmax(out.logits, dim=1)
-    kl = F.kl_div(student_log_probs, teacher_log_probs, reduction="batchmean", log_target=True)
-    return cross_entropy(out, y, params, context) + kl
+        teacher = normalise_logits(teacher_logits(out, context).to(out.logits.dtype), normalisation)
+        teacher_log_probs = F.log_softmax(teacher, dim=1)
+    student = normalise_logits(out.logits, normalisation)
+    kl = F.kl_div(F.log_softmax(student, dim=1), teacher_log_probs, reduction="batchmean", log_target=True)
+    return F.cross_entropy(student, y) + kl
 
 
 def classifier_names(params: Params) -> tuple[str, str | None]:
@@ -247,13 +289,30 @@ def classifier_names(params: Params) -> tuple[str, str | None]:
     return weights[0], (biases[0] if biases else None)
 
 
-def teacher_context(head: Params) -> dict[str, torch.Tensor]:
-    """The Fit context of the KL-guided training: the fine-tuned customised classifier, detached."""
+def current_feature_teacher(head: Params) -> dict[str, torch.Tensor]:
+    """Fit context of teacher="current_features": the fine-tuned customised classifier, detached."""
     weight_name, bias_name = classifier_names(head)
     context = {"teacher_weight": head[weight_name].detach()}
     if bias_name is not None:
         context["teacher_bias"] = head[bias_name].detach()
     return context
+
+
+@torch.no_grad()
+def frozen_teacher_outputs(ops: Any, teacher: Params, x: torch.Tensor, buffers: Params | None,
+                           rows: int, num_classes: int, chunk: int = 1000) -> torch.Tensor:
+    """Fit context of teacher="frozen": eq. 10's teacher logits g(f(x; theta^t); v_bar) for every
+    training sample, [rows, C] float32, row i = sample i; rows past len(x) are zero padding.
+
+    The model runs in eval mode with the client's current buffers (BatchNorm: running statistics;
+    dropout: off). Padding every client to the same `rows` gives all clients' contexts one shape,
+    so the vectorized runtime trains them as one group.
+    """
+    outputs = torch.zeros(max(rows, len(x)), num_classes)
+    for start in range(0, len(x), chunk):
+        block = x[start:start + chunk]
+        outputs[start:start + len(block)] = ops.logits(teacher, block, buffers).float()
+    return outputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +343,16 @@ class PFedCS(Algorithm):
             eq. 6 literally (weights sum to more than 1).
         stage_one_includes_beta: stage 1 is t <= beta [ours, so eq. 4 reaches its minimum end
             point]; False: t < beta (the paper's "FedPer when t >= beta").
+        teacher: where p^v of eq. 12 comes from. "frozen" (paper, eq. 10): the fine-tuned customised
+            classifier on the downloaded body theta^t, which local training does not change; its
+            logits are computed once per round for every training sample (eval mode: BatchNorm
+            running statistics, no dropout). "current_features" [ours, the earlier default]: the
+            fine-tuned classifier on the features of the body being trained, detached.
+        logit_normalisation: the "Normalization" between the classifier's Linear layer and its
+            Softmax (paper, section "Adaptive Collaborator Selection Mechanism"; the kind is not
+            stated): "l2" [ours: the kind] divides each logit vector by its L2 norm, in every loss
+            (fine-tuning, KL-guided training, stage 2) and in prediction; "none": a plain Linear
+            classifier (stage 2 then equals FedPer exactly).
         """
         model_config = ConfigDict(extra="forbid")
         beta: int = Field(100, ge=0, description="stage-1 rounds (then FedPer)")
@@ -298,6 +367,10 @@ class PFedCS(Algorithm):
         distance_includes_bias: bool = Field(False, description="classifier distance over weight and bias")
         dca_renormalise: bool = Field(True, description="renormalise the eq. 7 weights to sum 1")
         stage_one_includes_beta: bool = Field(True, description="stage 1 is t <= beta (False: t < beta)")
+        teacher: Literal["frozen", "current_features"] = Field(
+            "frozen", description="KL teacher: v_bar on the downloaded body (paper) or on the current features")
+        logit_normalisation: Literal["l2", "none"] = Field(
+            "l2", description="normalisation of the classifier output before softmax (paper: 'Normalization')")
 
     # -- stages ---------------------------------------------------------------------------------
 
@@ -305,6 +378,23 @@ class PFedCS(Algorithm):
         return rnd <= self.h.beta if self.h.stage_one_includes_beta else rnd < self.h.beta
 
     # -- hooks ----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """One ConfigError line for options that do not fit the run's model or clients."""
+        head = select(self.setup.ops.initial_params(), "head")
+        try:
+            _, bias_name = classifier_names(head)
+        except ValueError:
+            raise ConfigError(f"model: pfedcs needs the head (the model's last layer) to be one Linear layer, got "
+                              f"head parameters {sorted(head)}; allowed: a model ending in a Linear layer (mlp, cnn, "
+                              f"resnet18, ...); choose such a model") from None
+        if self.h.distance_includes_bias and bias_name is None:
+            raise ConfigError("pfedcs.distance_includes_bias: true, but the model's classifier has no bias; the "
+                              "distance can only use the weight; set pfedcs.distance_includes_bias=false")
+        if self.in_stage_one(1) and self.setup.num_clients < 2:
+            raise ConfigError(f"pfedcs.beta: stage 1 ({self.h.beta} rounds) picks collaborators among clients but "
+                              f"the run has {self.setup.num_clients} client; needs num_clients >= 2; set "
+                              "num_clients >= 2 or pfedcs.beta=0 (FedPer)")
 
     def init_server(self, params: Params) -> dict[str, Any]:
         classifier_names(params)  # fail early on a model whose head is not one Linear layer
@@ -323,23 +413,33 @@ class PFedCS(Algorithm):
         return {cid: {"body": server["body"], "head": customised[cid]} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
-        body = message["body"]
+        body, ce_loss = message["body"], partial(classifier_loss, normalisation=self.h.logit_normalisation)
         if self.in_stage_one(rnd):
-            teacher = message["head"]
+            teacher = merge(body, message["head"])
             if self.h.rho > 0:  # eq. 9-10: fine-tune v_k on local data, body frozen
-                tuned = yield Fit(merge(body, teacher), loss=cross_entropy, trainable="head",
-                                  epochs=self.h.rho, lr=self.h.finetune_lr)
-                teacher = select(tuned, "head")
+                tuned = yield Fit(teacher, loss=ce_loss, trainable="head", epochs=self.h.rho, lr=self.h.finetune_lr)
+                teacher = merge(body, select(tuned, "head"))
             # eq. 11-13: body + own head, guided by the frozen fine-tuned teacher (then discarded)
-            params = yield Fit(merge(body, client["head"]), loss=kl_guided_loss,
-                               context=teacher_context(teacher))
+            params = yield Fit(merge(body, client["head"]), context=self.teacher_context(cid, teacher, data),
+                               loss=partial(kl_guided_loss, normalisation=self.h.logit_normalisation))
         else:  # stage 2: FedPer
-            params = yield Fit(merge(body, client["head"]), loss=cross_entropy)
+            params = yield Fit(merge(body, client["head"]), loss=ce_loss)
         head = select(params, "head")
         reply: Message = {"body": select(params, "body"), "weight": data.n_train}
         if self.in_stage_one(rnd + 1):  # the next round's server still compares classifiers
             reply["head"] = head
         return {"head": head}, reply
+
+    def teacher_context(self, cid: int, teacher: Params, data: ClientData) -> dict[str, torch.Tensor]:
+        """The KL-guided Fit's context for `teacher` = downloaded body + fine-tuned v_bar (eq. 10-12).
+
+        "frozen": the teacher's logits for every training sample, padded to the largest client's
+        training set size (one shape for every client, so they train as one vectorized group)."""
+        if self.h.teacher == "current_features":
+            return current_feature_teacher(select(teacher, "head"))
+        rows = int(np.asarray(self.setup.train_counts).sum(axis=1).max())
+        return {"teacher_logits": frozen_teacher_outputs(self.setup.ops_for(cid), teacher, data.x_train,
+                                                         data.buffers, rows, self.setup.num_classes)}
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
         contributors = sorted(c for c in replies if replies[c]["weight"] > 0)
@@ -357,6 +457,15 @@ class PFedCS(Algorithm):
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return merge(server["body"], client["head"])
+
+    def has_custom_predict(self) -> bool:
+        return self.h.logit_normalisation != "none"
+
+    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """The paper's classifier: the client's head, then the normalisation (same argmax as the
+        head alone; the evaluation loss is that of the normalised probabilities)."""
+        logits = self.setup.ops_for(cid).head_logits(client["head"], features)
+        return normalise_logits(logits, self.h.logit_normalisation)
 
     # -- stage-1 server math --------------------------------------------------------------------
 

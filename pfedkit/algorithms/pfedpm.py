@@ -22,13 +22,21 @@ parameters, and psi is not one of them):
      gradient reaches the body (spec default `relation_detach_body=False`). With
      `relation_detach_body=True` the term is left out and the body never sees it.
   2. Then psi alone is trained on w * L_rel for the same number of local epochs, in a small torch
-     loop over the new body's features (eval mode, computed once with `setup.ops.features`),
-     mini-batches from `seeds.torch_generator(seed, round, cid, "rpfedpm")`.
+     loop over the new body's features (eval mode, computed once with `setup.ops_for(cid).features`
+     and the client's BatchNorm statistics), mini-batches from
+     `seeds.torch_generator(seed, round, cid, "rpfedpm")`.
   This is block-coordinate (body then psi) instead of the simultaneous SGD of one joint loss.
+
+BatchNorm bodies (ResNet-18): every forward of a client's model outside training (local features
+of eq. 6, the relation loop's features) uses the client's own running statistics, `data.buffers`,
+as they are after its latest Fit; evaluation loads the same statistics into the evaluator's module
+before calling `predict` on its body features.
 
 pFedPM-mh (clients with models of different architectures, spec §2.9): config
 `client_model_options`; client features are computed with `setup.ops_for(cid)`, the client's own
-architecture. Only d-dimensional features travel, so all architectures must share d.
+architecture. Only d-dimensional features travel, so all architectures must share d (`check`).
+
+Paper-vs-code table: docs/algorithms/pfedpm.md.
 """
 from __future__ import annotations
 
@@ -75,27 +83,33 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) 
 
 def global_features(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int, int]]],
                     weighting: str = "count") -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-    """Eq. (7): C̄^(c) = sum_{i in N_c} n_{i,c} C_i^(c) / sum_{i in N_c} n_{i,c} over the uploads
-    that contain class c (weighting="count"), or their plain mean (weighting="uniform", FedProto's
-    code). Returns ({c: C̄^(c)}, {c: N_c = sum_i n_{i,c}}); a class nobody uploaded is absent.
+    """Eq. (7) over the uploads that contain class c (N_c = those clients, n_c = sum_i n_{i,c}):
 
-    Accumulated in float64, so the result does not depend on the order of the uploads beyond
-    float32 rounding of the final value.
+        "count":   C̄^(c) = sum_{i in N_c} n_{i,c} C_i^(c) / n_c      (default [ours], sums to one)
+        "uniform": C̄^(c) = (1/|N_c|) sum_{i in N_c} C_i^(c)            (FedProto's code)
+        "printed": C̄^(c) = (1/|N_c|) sum_{i in N_c} (n_{i,c}/n_c) C_i^(c)  (FedProto's printed
+                   formula, which the paper's prose follows: "count" shrunk by 1/|N_c|)
+
+    Returns ({c: C̄^(c)}, {c: n_c}); a class nobody uploaded is absent. Accumulated in float64, so
+    the result does not depend on the order of the uploads beyond float32 rounding of the final value.
     """
-    if weighting not in ("count", "uniform"):
-        raise ValueError(f"global_feature_weighting must be 'count' or 'uniform', got {weighting!r}")
+    if weighting not in ("count", "uniform", "printed"):
+        raise ValueError(f"global_feature_weighting must be 'count', 'uniform' or 'printed', got {weighting!r}")
     sums: dict[int, torch.Tensor] = {}
     weights: dict[int, float] = {}
     totals: dict[int, int] = {}
+    uploaders: dict[int, int] = {}
     for features, counts in uploads:
         for label, feature in features.items():
             count = int(counts[label])
-            weight = float(count) if weighting == "count" else 1.0
+            weight = 1.0 if weighting == "uniform" else float(count)
             sums[label] = sums.get(label, 0) + weight * feature.double()
             weights[label] = weights.get(label, 0.0) + weight
             totals[label] = totals.get(label, 0) + count
+            uploaders[label] = uploaders.get(label, 0) + 1
     dtype = next((f.dtype for features, _ in uploads for f in features.values()), torch.float32)
-    means = {label: (sums[label] / weights[label]).to(dtype) for label in sorted(sums)}
+    shrink = {label: (uploaders[label] if weighting == "printed" else 1) for label in sums}
+    means = {label: (sums[label] / (weights[label] * shrink[label])).to(dtype) for label in sorted(sums)}
     return means, {label: totals[label] for label in sorted(totals)}
 
 
@@ -122,6 +136,25 @@ def prototype_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: t
     selected = has_mixed[labels].to(features.dtype)  # [B]
     squared = ((features - mixed[labels]) ** 2).sum(dim=1)
     return (selected * squared).sum() / (selected.sum().clamp(min=1.0) * features.shape[1])
+
+
+def class_distance_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: torch.Tensor,
+                               has_mixed: torch.Tensor) -> torch.Tensor:
+    """Eq. (11) read literally: L_R = sum_{c} ||C_i^(c) - Ĉ_i^(c)||^2 (squared Euclidean distance),
+    over the classes c of the mini-batch that have a mixed feature, where C_i^(c) is the mean
+    feature of the batch's class-c samples (the mini-batch estimate of eq. 6). 0 when none has one.
+
+    Masked sums only (no boolean indexing), so it runs under torch.vmap like `prototype_regulariser`.
+    """
+    classes = torch.arange(mixed.shape[0], device=labels.device)
+    member = (labels.unsqueeze(1) == classes.unsqueeze(0)).to(features.dtype)  # [B, C]
+    counts = member.sum(dim=0)  # [C]
+    means = (member.transpose(0, 1) @ features) / counts.clamp(min=1.0).unsqueeze(1)  # [C, d]
+    selected = ((counts > 0) & has_mixed).to(features.dtype)
+    return (selected * ((means - mixed) ** 2).sum(dim=1)).sum()
+
+
+REGULARISERS = {"sample_mse": prototype_regulariser, "class_distance": class_distance_regulariser}
 
 
 def relation_class_features(mixed: torch.Tensor, has_mixed: torch.Tensor, global_: torch.Tensor,
@@ -153,8 +186,11 @@ def relation_logits(scores: torch.Tensor, class_ids: torch.Tensor, num_classes: 
 
 
 def pfedpm_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
-                lam: float, relation_weight: float = 0.0) -> torch.Tensor:
+                lam: float, relation_weight: float = 0.0, regulariser: str = "sample_mse") -> torch.Tensor:
     """Eq. (9) (+ R-pFedPM's relation term): CE + lam * R_i [+ relation_weight * L_rel].
+
+    regulariser: "sample_mse" (`prototype_regulariser`, FedProto's per-sample form, default) or
+    "class_distance" (`class_distance_regulariser`, eq. 11 literally).
 
     context: "mixed" [C, d] and "has_mixed" [C]; for the relation term also "relation" (psi,
     held fixed here), "class_features" [C, d] and "available" [C]. lam = 0 and no relation term
@@ -162,7 +198,7 @@ def pfedpm_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[
     """
     loss = cross_entropy(out, y, params, context)
     if lam:
-        loss = loss + lam * prototype_regulariser(out.features, y, context["mixed"], context["has_mixed"])
+        loss = loss + lam * REGULARISERS[regulariser](out.features, y, context["mixed"], context["has_mixed"])
     if relation_weight and "relation" in context:
         class_ids = context["available"].nonzero().squeeze(1)
         scores = relation_scores(context["relation"], out.features, context["class_features"][class_ids],
@@ -241,7 +277,12 @@ class PFedPM(Algorithm):
         lam: weight of the feature regulariser in eq. (9): 1 for MNIST/FEMNIST, 0.1 for CIFAR-10.
         global_feature_weighting: "count" = eq. (7) normalised by the class's sample counts
            [ours, the printed FedProto formula made to sum to one]; "uniform" = plain mean over
-           the uploading clients (FedProto's code).
+           the uploading clients (FedProto's code); "printed" = FedProto's printed formula as is
+           (count-weighted mean divided by the number of uploaders |N_c|).
+        regulariser: "sample_mse" = eq. (9)'s R_i as per-sample MSE to the mixed feature of the
+           sample's class (FedProto's code; the paper's lambdas are tuned for it) [recon];
+           "class_distance" = eq. (11) literally: sum over the batch's classes of the squared
+           distance between the batch's class-mean feature and the mixed feature.
         prototype_source: "eval_pass" = local features from one no-grad eval-mode pass over the
            client's training data after training [ours]; "training_passes" (FedProto's code:
            features produced during the training passes) needs engine support and is refused.
@@ -249,8 +290,12 @@ class PFedPM(Algorithm):
         model_config = ConfigDict(extra="forbid")
         a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)")
         lam: float = Field(1.0, ge=0, description="regulariser weight lambda (eq. 9)")
-        global_feature_weighting: Literal["count", "uniform"] = Field(
-            "count", description="eq. (7): weight uploads by class counts, or plain mean (FedProto code)")
+        global_feature_weighting: Literal["count", "uniform", "printed"] = Field(
+            "count", description="eq. (7): weight uploads by class counts, plain mean (FedProto code), "
+            "or FedProto's printed formula (count-weighted mean / number of uploaders)")
+        regulariser: Literal["sample_mse", "class_distance"] = Field(
+            "sample_mse", description="R_i of eq. (9): per-sample MSE (FedProto code) or eq. (11)'s "
+            "squared distance of the batch class means to the mixed features")
         prototype_source: Literal["eval_pass", "training_passes"] = Field(
             "eval_pass", description="how local features are computed (training_passes: not available)")
 
@@ -266,10 +311,17 @@ class PFedPM(Algorithm):
     def __init__(self, hyper: BaseModel, setup) -> None:
         super().__init__(hyper, setup)
         self.feature_dim = int(setup.ops.template.feature_dim)
-        dims = {int(setup.ops_for(cid).template.feature_dim) for cid in range(setup.num_clients)}
-        if dims != {self.feature_dim}:
-            raise ConfigError(f"client_model_options: {self.name} exchanges features, so every client's model "
-                              f"needs the same feature dimension; got {sorted(dims | {self.feature_dim})}")
+
+    def check(self) -> None:
+        """Only d-dimensional features travel (pFedPM-mh), so every client's architecture must
+        produce the default architecture's d: a mismatch would fail in the server's eq. (7)."""
+        dims = {cid: int(self.setup.ops_for(cid).template.feature_dim) for cid in range(self.setup.num_clients)}
+        odd = sorted(cid for cid, dim in dims.items() if dim != self.feature_dim)
+        if odd:
+            raise ConfigError(
+                f"client_model_options: {self.name} exchanges d-dimensional features, so every client's model "
+                f"needs the feature dimension of model_options' model (d = {self.feature_dim}); clients {odd} "
+                f"have d = {sorted({dims[c] for c in odd})}; change their options so that d is {self.feature_dim}")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -297,10 +349,15 @@ class PFedPM(Algorithm):
         return received, mixed
 
     def local_features(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Body outputs of the training data (eval mode, no grad) and eq. (6) -> (h, means, counts)."""
-        ops = self.setup.ops_for(data.cid)
-        features = torch.cat([ops.features(params, data.x_train[start:start + FEATURE_CHUNK])
-                              for start in range(0, data.n_train, FEATURE_CHUNK)]).float()
+        """Body outputs of the training data (eval mode, no grad) and eq. (6) -> (h, means, counts).
+
+        Run with the client's own BatchNorm statistics (`data.buffers`, as they are after its
+        latest Fit), the statistics its model predicts with, not the template's initial ones.
+        """
+        ops, buffers = self.setup.ops_for(data.cid), data.buffers
+        chunks = [ops.features(params, data.x_train[start:start + FEATURE_CHUNK], buffers)
+                  for start in range(0, data.n_train, FEATURE_CHUNK)]
+        features = torch.cat(chunks).float() if chunks else torch.zeros(0, self.feature_dim)
         means, counts = class_means(features, data.y_train, self.setup.num_classes)
         return features, means, counts
 
@@ -313,7 +370,7 @@ class PFedPM(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         _, (mixed, has_mixed) = self.received_and_mixed(client, message)
-        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam),
+        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam, regulariser=self.h.regulariser),
                            context={"mixed": mixed, "has_mixed": has_mixed})
         _, means, counts = self.local_features(params, data)
         return {"params": params, "local": means, "has_local": counts > 0}, self.upload(means, counts)
@@ -374,14 +431,16 @@ class RPFedPM(PFedPM):
         """R-pFedPM = pFedPM's hyperparameters plus the relation module's (seed spec §2.5-2.7).
 
         relation_weight: weight of L_rel (eq. 13) in the local loss; not stated by the paper,
-           1.0 [ours].
+           1.0 [ours]. Must be > 0: psi's own loop minimises relation_weight * L_rel, so with 0 the
+           relation module, which makes R-pFedPM's predictions, would never learn.
         relation_detach_body: False [ours, "both heads share the body"]: the relation loss's
            gradient reaches the body (with psi fixed during the engine's Fit); True: it does not.
         relation_lr / relation_momentum / relation_batch_size: SGD of psi's own loop (the engine
            does not tell algorithms its optimiser settings); defaults = the paper's SGD (0.01,
            momentum 0.5, batch 10). relation_epochs: None = the run's local_epochs.
         """
-        relation_weight: float = Field(1.0, ge=0, description="weight of the relation loss (eq. 13)")
+        relation_weight: float = Field(1.0, gt=0, description="weight of the relation loss (eq. 13); > 0, "
+                                       "else the relation head that predicts never learns")
         relation_detach_body: bool = Field(False, description="keep the relation loss's gradient out of the body")
         relation_lr: float = Field(0.01, gt=0, description="SGD learning rate of the relation module")
         relation_momentum: float = Field(0.5, ge=0, lt=1, description="SGD momentum of the relation module")
@@ -410,7 +469,8 @@ class RPFedPM(PFedPM):
         if use_relation and not h.relation_detach_body:
             context.update({"relation": client["relation"], "class_features": class_features, "available": available})
             fit_relation_weight = h.relation_weight
-        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=h.lam, relation_weight=fit_relation_weight),
+        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=h.lam, relation_weight=fit_relation_weight,
+                                                          regulariser=h.regulariser),
                            context=context)
         features, means, counts = self.local_features(params, data)
         relation, stats = client["relation"], client["relation_stats"]

@@ -27,9 +27,14 @@ def torch_generator(seed: int, rnd: int, client: int, purpose: str) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, rnd, client, purpose))
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float) -> list[int]:
-    """The round's participants: round(join_ratio * N) clients (at least 1), sorted."""
-    count = max(1, int(round(join_ratio * num_clients)))
+def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float,
+                   rounding: str = "round") -> list[int]:
+    """The round's participants, sorted: round(join_ratio * N) clients, or int(join_ratio * N)
+    with rounding="floor" (PFLlib), at least 1."""
+    if rounding not in ("round", "floor"):
+        raise ValueError(f"rounding must be 'round' or 'floor', got {rounding!r}")
+    scaled = join_ratio * num_clients
+    count = max(1, int(scaled) if rounding == "floor" else int(round(scaled)))
     if count >= num_clients:
         return list(range(num_clients))
     chosen = numpy_rng(seed, rnd, SERVER, "client-sampling").choice(num_clients, size=count, replace=False)

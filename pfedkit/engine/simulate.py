@@ -80,6 +80,7 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: 
             stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
             stats[job.cid]["steps"] += outcome.steps
             stats[job.cid]["samples"] += outcome.samples
+            stats[job.cid]["trained"] = outcome.params  # the model after local training (eval_point)
             advance(job.cid, outcome.params, False)
     return states, replies, stats
 
@@ -92,10 +93,14 @@ def _check_result(cid: int, value: Any) -> tuple[Any, Message]:
 
 class Simulation:
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
-                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False) -> None:
+                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+                 eval_point: str = "after_download", participants: str = "round") -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
-        self.keep_optimizer_state = keep_optimizer_state
+        self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
+        if eval_point not in ("after_download", "after_local_training"):
+            raise ValueError(f"eval_point must be 'after_download' or 'after_local_training', got {eval_point!r}")
+        self.eval_point = eval_point
 
     def initial_state(self, params, buffers, client_params: list | None = None,
                       client_buffers: list | None = None) -> SimState:
@@ -105,15 +110,33 @@ class Simulation:
         client_params = client_params or [params] * n
         client_buffers = client_buffers or [buffers] * n
         clients = [algo.init_client(cid, client_params[cid]) for cid in range(n)]
-        return SimState(0, algo.init_server(params), clients, list(client_buffers),
-                        optimizer_states=[{} for _ in range(n)] if self.keep_optimizer_state else [])
+        state = SimState(0, algo.init_server(params), clients, list(client_buffers),
+                         optimizer_states=[{} for _ in range(n)] if self.keep_optimizer_state else [])
+        algo.diagnostics = state.diagnostics
+        setup_bytes = self.exchange_reports(0, list(range(n)), state)
+        if setup_bytes:
+            state.rows.extend(self._rows(0, sorted(setup_bytes), {}, setup_bytes, {}, {}, {}))
+        return state
+
+    def exchange_reports(self, rnd: int, cids: list[int], state: SimState) -> dict[int, int]:
+        """Ask `cids` for their `client_report`, hand those sent to `collect`; bytes up per reporter."""
+        algo = self.algorithm
+        reports = {}
+        for cid in cids:
+            report = algo.client_report(rnd, cid, state.clients[cid], self.client_view(cid, state))
+            if report is not None:
+                reports[cid] = report
+        if reports:
+            state.server = algo.collect(rnd, state.server, reports)
+        return {cid: message_bytes(report) for cid, report in reports.items()}
 
     def run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1
         algo, n = self.algorithm, self.data.num_clients
         algo.diagnostics = state.diagnostics
         started = time.perf_counter()
-        cids = sample_clients(self.seed, rnd, n, self.join_ratio)
+        cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
+        reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                            self.client_view(cid, state)) for cid in cids}
@@ -123,9 +146,9 @@ class Simulation:
             state.clients[cid] = client_state
         state.server = algo.aggregate(rnd, state.server, replies)
         trained = time.perf_counter()
-        evals = self._evaluate(state) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
+        evals = self._evaluate(state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
         evaluated = time.perf_counter()
-        state.rows.extend(self._rows(rnd, cids, messages, replies, stats, evals))
+        state.rows.extend(self._rows(rnd, cids, messages, reported, replies, stats, evals))
         state.round = rnd
         state.seconds += evaluated - started
         weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
@@ -137,10 +160,19 @@ class Simulation:
         """Client `cid`'s data, with `buffers` reading its current BatchNorm statistics."""
         return dataclasses.replace(self.data.clients[cid], buffers_source=lambda: state.buffers[cid])
 
-    def _evaluate(self, state: SimState):
+    def evaluated_model(self, cid: int, state: SimState, stats: dict[int, dict]):
+        """settings.md §4.1: "after_download" = the model the client would use now, after the
+        round's aggregation (`client_model`: what it downloads next, PFLlib's evaluation at the start
+        of the next round); "after_local_training" = a participant's model as its last Fit of the
+        round returned it (non-participants: `client_model`, their model did not change)."""
+        if self.eval_point == "after_local_training" and "trained" in stats.get(cid, {}):
+            return stats[cid]["trained"]
+        return self.algorithm.client_model(cid, state.server, state.clients[cid])
+
+    def _evaluate(self, state: SimState, stats: dict[int, dict]):
         algo = self.algorithm
         custom = algo.has_custom_predict()
-        items = [(cid, algo.client_model(cid, state.server, state.clients[cid]), state.buffers[cid],
+        items = [(cid, self.evaluated_model(cid, state, stats), state.buffers[cid],
                   partial(algo.predict, cid, state.server, state.clients[cid]) if custom else None)
                  for cid in range(self.data.num_clients)]
         evals = self.runtime.evaluate_many(items)
@@ -148,7 +180,8 @@ class Simulation:
         state.class_total = np.stack([evals[c].class_total for c in range(len(items))])
         return evals
 
-    def _rows(self, rnd, cids, messages, replies, stats, evals) -> list[dict]:
+    def _rows(self, rnd, cids, messages, reported, replies, stats, evals) -> list[dict]:
+        """One metrics row per client; `reported`: bytes of the round's client_report uploads."""
         rows, joined = [], set(cids)
         for cid, client in enumerate(self.data.clients):
             ev = evals.get(cid)
@@ -163,7 +196,7 @@ class Simulation:
                 "train_loss": stats[cid]["loss"] / steps if steps else np.nan,
                 "train_steps": steps,
                 "bytes_down": message_bytes(messages.get(cid)) if cid in joined else 0,
-                "bytes_up": message_bytes(replies.get(cid)) if cid in joined else 0,
+                "bytes_up": (message_bytes(replies.get(cid)) + reported.get(cid, 0)) if cid in joined else 0,
             })
         return rows
 
