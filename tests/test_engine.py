@@ -16,8 +16,9 @@ import pfedkit
 from pfedkit.algorithms.params import num_parameters
 from pfedkit.config import load_config
 from pfedkit.engine.seeds import sample_clients
-from pfedkit.engine.simulate import Simulation
 from pfedkit.runs import CHECKPOINT, prepare
+
+from conftest import interrupt_and_resume
 
 
 def final_server_params(result) -> dict:
@@ -96,21 +97,8 @@ def test_same_config_and_seed_gives_identical_metrics_files(small_config, tmp_pa
 
 def test_resume_after_interruption_equals_uninterrupted_run(small_config, tmp_path, monkeypatch):
     config = {**small_config, "rounds": 5, "algorithm": "local"}
-    reference = pfedkit.run({**config, "out_dir": str(tmp_path / "ref")})
-    original = Simulation.run_round
-
-    def crash_after_two_rounds(self, state):
-        if state.round == 2:
-            raise KeyboardInterrupt
-        return original(self, state)
-
-    monkeypatch.setattr(Simulation, "run_round", crash_after_two_rounds)
-    with pytest.raises(KeyboardInterrupt):
-        pfedkit.run({**config, "out_dir": str(tmp_path / "killed")})
-    monkeypatch.setattr(Simulation, "run_round", original)
-    (run_dir,) = (tmp_path / "killed").iterdir()
-    assert pd.read_csv(run_dir / "metrics.csv")["round"].max() == 2
-    resumed = pfedkit.run(resume=run_dir)
+    reference, run_dir, completed_rounds, resumed = interrupt_and_resume(config, tmp_path, monkeypatch)
+    assert completed_rounds == 2
     assert (run_dir / "metrics.csv").read_bytes() == (reference.run_dir / "metrics.csv").read_bytes()
     assert resumed.summary["final_acc"] == reference.summary["final_acc"]
 

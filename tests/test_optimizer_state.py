@@ -9,8 +9,9 @@ from torch import nn
 
 import pfedkit
 from pfedkit.algorithms.base import Fit
-from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
+
+from conftest import interrupt_and_resume
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -107,18 +108,5 @@ def test_vectorized_carries_the_same_momentum(momentum_config, tmp_path):
 
 def test_resume_keeps_the_optimizer_state(momentum_config, tmp_path, monkeypatch):
     config = {**momentum_config, "keep_optimizer_state": True, "rounds": 4}
-    reference = pfedkit.run({**config, "out_dir": str(tmp_path / "ref")})
-    original = Simulation.run_round
-
-    def crash_after_two_rounds(self, state):
-        if state.round == 2:
-            raise KeyboardInterrupt
-        return original(self, state)
-
-    monkeypatch.setattr(Simulation, "run_round", crash_after_two_rounds)
-    with pytest.raises(KeyboardInterrupt):
-        pfedkit.run({**config, "out_dir": str(tmp_path / "killed")})
-    monkeypatch.setattr(Simulation, "run_round", original)
-    (run_dir,) = (tmp_path / "killed").iterdir()
-    pfedkit.run(resume=run_dir)
+    reference, run_dir, _, _ = interrupt_and_resume(config, tmp_path, monkeypatch)
     assert (run_dir / "metrics.csv").read_bytes() == (reference.run_dir / "metrics.csv").read_bytes()
