@@ -258,3 +258,12 @@ def test_layer_state_dict_rejects_another_architecture():
     with pytest.raises(ValueError, match="does not fit"):
         load_layer_state_dict(build_model("cnn", MNIST, 10),
                               layer_state_dict(build_model("mlp", MNIST, 10)))
+
+
+def test_model_ops_chunked_forward_equals_one_forward():
+    from pfedkit.engine.model_ops import ModelOps
+    ops = ModelOps(lambda: build_model("mlp", (6,), 3))
+    params, x = ops.initial_params(), torch.randn(11, 6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ops.logits(params, x, chunk=4), ops.logits(params, x))
+    torch.testing.assert_close(ops.features(params, x, chunk=4), ops.features(params, x))
+    assert ops.features(params, x, chunk=4).shape[0] == 11

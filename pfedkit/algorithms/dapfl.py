@@ -246,7 +246,7 @@ class DAPFL(Algorithm):
         """DA-PFL hyperparameters (spec §5.6). [ours] marks a choice the paper leaves open.
 
         lam: proximal weight λ of eq. (2)/(10) (paper: not stated; LAM_DEFAULT [ours], from the
-            sweep in docs/algorithms/dapfl.md).
+            sweep in benchmarks/RESULTS.md, "DA-PFL lambda sweep").
         sigma: distance scale σ of eq. (7) (paper: not stated). Default "median" [ours]: the median
             off-diagonal squared model distance of the round, so (d + ε)/σ is O(1) and the distance
             term really changes the weights; a fixed number such as 1.0 makes 1 - e^{-d/σ} ≈ 1 for

@@ -331,8 +331,7 @@ class FedReMa(Algorithm):
         """The client's class prototypes, from its body in eval mode with its OWN BatchNorm
         statistics (`data.buffers`, as left by this round's Fit), not the model's initial ones."""
         buffers = data.buffers
-        features = torch.cat([self.setup.ops.features(params, chunk, buffers)
-                              for chunk in data.x_train.split(FEATURE_CHUNK)]).reshape(data.n_train, -1)
+        features = self.setup.ops.features(params, data.x_train, buffers, chunk=FEATURE_CHUNK).reshape(data.n_train, -1)
         classes, prototypes, counts = class_prototypes(features, data.y_train, self.setup.num_classes)
         upload = {"prototypes": prototypes, "prototype_classes": classes}
         if self.h.proto_weighting == "count":

@@ -309,9 +309,8 @@ def frozen_teacher_outputs(ops: Any, teacher: Params, x: torch.Tensor, buffers: 
     so the vectorized runtime trains them as one group.
     """
     outputs = torch.zeros(max(rows, len(x)), num_classes)
-    for start in range(0, len(x), chunk):
-        block = x[start:start + chunk]
-        outputs[start:start + len(block)] = ops.logits(teacher, block, buffers).float()
+    if len(x):
+        outputs[:len(x)] = ops.logits(teacher, x, buffers, chunk=chunk).float()
     return outputs
 
 
@@ -397,7 +396,6 @@ class PFedCS(Algorithm):
                               "num_clients >= 2 or pfedcs.beta=0 (FedPer)")
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        classifier_names(params)  # fail early on a model whose head is not one Linear layer
         server = {"body": clone(select(params, "body"))}
         if self.in_stage_one(1):
             server.update(heads={}, counts={}, initial_head=clone(select(params, "head")))

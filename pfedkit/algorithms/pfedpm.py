@@ -355,9 +355,8 @@ class PFedPM(Algorithm):
         latest Fit), the statistics its model predicts with, not the template's initial ones.
         """
         ops, buffers = self.setup.ops_for(data.cid), data.buffers
-        chunks = [ops.features(params, data.x_train[start:start + FEATURE_CHUNK], buffers)
-                  for start in range(0, data.n_train, FEATURE_CHUNK)]
-        features = torch.cat(chunks).float() if chunks else torch.zeros(0, self.feature_dim)
+        features = (ops.features(params, data.x_train, buffers, chunk=FEATURE_CHUNK).float() if data.n_train
+                    else torch.zeros(0, self.feature_dim))
         means, counts = class_means(features, data.y_train, self.setup.num_classes)
         return features, means, counts
 

@@ -34,16 +34,28 @@ class ModelOps:
         return state
 
     @torch.no_grad()
-    def logits(self, params: Params, x: torch.Tensor, buffers: Params | None = None) -> torch.Tensor:
-        return functional_call(self.template, self._state(params, buffers), (x,))
+    def logits(self, params: Params, x: torch.Tensor, buffers: Params | None = None,
+               chunk: int | None = None) -> torch.Tensor:
+        """Eval-mode model output for x; `chunk`: at most that many samples per forward (memory)."""
+        state = self._state(params, buffers)
+        return _in_chunks(lambda block: functional_call(self.template, state, (block,)), x, chunk)
 
     @torch.no_grad()
-    def features(self, params: Params, x: torch.Tensor, buffers: Params | None = None) -> torch.Tensor:
+    def features(self, params: Params, x: torch.Tensor, buffers: Params | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
+        """Eval-mode body output for x; `chunk`: at most that many samples per forward (memory)."""
         state = self._state(params, buffers)
         body_state = {k[len("body."):]: v for k, v in state.items() if k.startswith("body.")}
-        return functional_call(self.template.body, body_state, (x,))
+        return _in_chunks(lambda block: functional_call(self.template.body, body_state, (block,)), x, chunk)
 
     @torch.no_grad()
     def head_logits(self, params: Params, features: torch.Tensor) -> torch.Tensor:
         head_state = {k[len("head."):]: v for k, v in params.items() if k.startswith("head.")}
         return functional_call(self.template.head, head_state, (features,))
+
+
+def _in_chunks(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """forward(x) computed on consecutive blocks of `chunk` samples and concatenated."""
+    if chunk is None or len(x) <= chunk:
+        return forward(x)
+    return torch.cat([forward(block) for block in x.split(chunk)])
