@@ -5,6 +5,7 @@ Configuration errors end with one line on stderr naming the key and exit status 
 from __future__ import annotations
 
 import argparse
+import textwrap
 import sys
 from pathlib import Path
 
@@ -73,15 +74,35 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def algorithm_options(algorithm, detailed: bool) -> str:
+    """An algorithm's options with defaults: one line (`key=default, ...`) or one line per option
+    with its description."""
+    fields = algorithm.Hyper.model_fields
+    if not detailed:
+        return ", ".join(f"{key}={field.default}" for key, field in fields.items())
+    lines = [f"{algorithm.name}: {algorithm.description}"]
+    lines += [f"  {algorithm.name}.{key}={field.default}  {field.description or ''}".rstrip()
+              for key, field in fields.items()]
+    return "\n".join(lines if fields else lines + ["  (no options)"])
+
+
 def cmd_list(ns: argparse.Namespace) -> int:
     from pfedkit.algorithms import algorithm_names, get_algorithm
     from pfedkit.config import SCHEME_PARAMS, preset_names, preset_summary
     from pfedkit.data.datasets import DATASETS
     from pfedkit.models import MODELS
 
-    print("algorithms:")
+    if ns.algorithm:
+        if ns.algorithm not in algorithm_names():
+            raise ConfigError(f"list {ns.algorithm}: unknown algorithm; allowed: {', '.join(algorithm_names())}")
+        print(algorithm_options(get_algorithm(ns.algorithm), detailed=True))
+        return 0
+    print("algorithms (options: ALGORITHM.KEY=VALUE; details: pfedkit list ALGORITHM):")
     for name in algorithm_names():
         print(f"  {name:<14} {get_algorithm(name).description}")
+        options = algorithm_options(get_algorithm(name), detailed=False)
+        if options:
+            print(textwrap.fill(options, width=100, initial_indent=" " * 17, subsequent_indent=" " * 17))
     print("datasets:")
     for name, info in DATASETS.items():
         print(f"  {name:<14} {info.description}")
@@ -151,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.set_defaults(func=cmd_compare)
 
     p_list = sub.add_parser("list", help="registered algorithms, datasets, partitions and models")
+    p_list.add_argument("algorithm", nargs="?", help="show this algorithm's options with their descriptions")
     p_list.set_defaults(func=cmd_list)
 
     p_report = sub.add_parser("report", help="plots of a run: accuracy curves and the algorithm's diagnostics")

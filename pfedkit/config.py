@@ -46,6 +46,8 @@ class PartitionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scheme: PartitionScheme = "dirichlet"
+    pool_fraction: float = Field(1.0, gt=0, le=1, description="partition a seeded class-stratified fraction of "
+                                 "the pool (the official training split for official test splits): quick runs")
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (smaller = more skew)")
     least: int | None = Field(None, ge=1, description="dirichlet: minimum client size (None: PFLlib rule)")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")

@@ -5,14 +5,17 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
+from torch import nn
 
 SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 
 
 @pytest.fixture
 def small_config(tmp_path):
-    """FedAvg on digits, 4 clients, 3 rounds: a run takes well under a second."""
-    return {"algorithm": "fedavg", "dataset": "digits", "num_clients": 4, "rounds": 3,
+    """FedAvg on digits, 4 clients, 3 rounds, one torch thread (more threads only contend on this
+    size): a run takes about a second."""
+    return {"algorithm": "fedavg", "dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1,
             "batch_size": 20, "lr": 0.05, "seed": 3, "out_dir": str(tmp_path / "runs"),
             "partition": {"scheme": "dirichlet", "alpha": 0.5}}
 
@@ -44,3 +47,33 @@ def interrupt_and_resume(config: dict, tmp_path, monkeypatch, after_round: int =
     (run_dir,) = (tmp_path / "killed").iterdir()
     completed_rounds = pd.read_csv(run_dir / "metrics.csv")["round"].max()
     return reference, run_dir, completed_rounds, pfedkit.run(resume=run_dir)
+
+
+def final_state(result):
+    """The SimState saved with a finished run (server, clients, buffers...)."""
+    import torch
+
+    from pfedkit.runs import CHECKPOINT
+
+    return torch.load(result.run_dir / CHECKPOINT, weights_only=False)
+
+
+class TinyNet(nn.Module):
+    """A 3 -> 4 -> 3 body/head model for exact hand computations of local steps; pass
+    `activation=nn.Tanh` where finite differences of the gradient must be accurate."""
+
+    def __init__(self, activation: type[nn.Module] = nn.ReLU):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), activation())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def tiny_params(seed: int = 0, dtype=None, activation: type[nn.Module] = nn.ReLU) -> dict:
+    """TinyNet's parameters initialised from `seed` (the global torch RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        params = {k: v.detach().clone() for k, v in TinyNet(activation).named_parameters()}
+    return {k: v.to(dtype) for k, v in params.items()} if dtype is not None else params

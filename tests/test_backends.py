@@ -10,7 +10,12 @@ from pfedkit.algorithms.base import Fit
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "local", "fedrema", "cwfedavg", "dapfl", "pfedpm", "rpfedpm"])
+BASELINES_I = ["fedper", "lg_fedavg", "fedrep", "fedbabu", "fedrod", "fedpac", "fedgh", "ditto", "apfl",
+               "perfedavg", "pfedme", "l2gd"]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "local", "fedrema", "cwfedavg", "dapfl", "pfedpm", "rpfedpm",
+                                       *BASELINES_I])
 def test_processes_backend_equals_sequential_with_same_threads(algorithm, small_config, tmp_path):
     config = {**small_config, "algorithm": algorithm, "join_ratio": 0.75}
     sequential = pfedkit.run({**config, "backend": "sequential", "threads": 1, "out_dir": str(tmp_path / "s")})

@@ -105,3 +105,17 @@ def test_participant_rounding_round_or_floor():
     assert len(sample_clients(0, 1, 10, 0.05, "floor")) == 1  # at least one
     floor = sample_clients(3, 2, 20, 0.33, "floor")
     assert floor == sorted(set(floor)) and all(0 <= c < 20 for c in floor)
+
+
+def test_list_shows_every_algorithms_options_with_defaults(capsys):
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+
+    assert main(["list"]) == 0
+    listing = capsys.readouterr().out
+    for name in algorithm_names():
+        for key, field in get_algorithm(name).Hyper.model_fields.items():
+            assert f"{key}={field.default}" in listing, (name, key)
+    assert main(["list", "ditto"]) == 0
+    detail = capsys.readouterr().out
+    assert "ditto.lam=1.0" in detail and "proximal" in detail
+    assert main(["list", "nosuch"]) == 2

@@ -444,3 +444,27 @@ def test_public_partition_function_is_importable_from_pfedkit_data():
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(100))
     assert callable(pfedkit_partition)
     assert all(np.array_equal(a, b) for a, b in zip(parts, partition(labels, "iid", 4, 0)))
+
+
+def test_pool_fraction_is_a_seeded_stratified_subset():
+    from pfedkit.data.partition import stratified_subset
+
+    labels = np.repeat(np.arange(4), [100, 40, 10, 3])
+    indices = np.arange(1000, 1000 + len(labels))
+    part = stratified_subset(indices, labels, 0.5, seed=2)
+    assert np.array_equal(part, stratified_subset(indices, labels, 0.5, seed=2))
+    assert not np.array_equal(part, stratified_subset(indices, labels, 0.5, seed=3))
+    kept = labels[part - 1000]
+    assert np.bincount(kept, minlength=4).tolist() == [50, 20, 5, 2]  # round(0.5 * n_c) per class
+    assert np.all(np.diff(part) > 0) and set(part) <= set(indices)
+    assert stratified_subset(indices, labels, 1.0, seed=2) is indices
+
+
+def test_pool_fraction_shrinks_the_run(small_config):
+    from pfedkit.config import load_config
+    from pfedkit.runs import prepare
+
+    full = prepare(load_config(small_config)).data
+    half = prepare(load_config({**small_config, "partition": {**small_config["partition"], "pool_fraction": 0.5}})).data
+    total = sum(c.n_train + c.n_test for c in full.clients)
+    assert abs(sum(c.n_train + c.n_test for c in half.clients) - total / 2) <= full.num_classes

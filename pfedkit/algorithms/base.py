@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -71,6 +71,17 @@ class Fit:
     is kept per client across rounds and requests (one optimizer per client for the whole run, as
     in PFLlib-based code); a method training two models (Ditto's personal and global model) names
     one optimizer per model.
+
+    extra: tensors trained or carried beside the model (FedRoD's personal head, APFL's personal
+    model and mixing weight, pFedMe's local copy), named without a `body.`/`head.` prefix. The
+    loss sees them in `params` next to the model's parameters; the default SGD step trains them
+    (whatever `trainable` says), a custom step updates them as it likes. The answer to the request
+    holds the model's parameters and the final `extra` tensors, by the same names.
+    step: a custom local step (`LocalStep`) replacing plain SGD on the loss: Per-FedAvg's meta step,
+    pFedMe's inner solve, APFL's three updates. It is called with `batches_per_step` consecutive
+    mini-batches of the request's batch schedule (an incomplete last group is dropped). Custom
+    steps do their own updates: the config's momentum, weight decay and gradient clipping do not
+    apply to them, and the vectorized runtime runs them with the sequential trainer.
     """
     params: Params
     loss: LossFn = cross_entropy
@@ -80,8 +91,16 @@ class Fit:
     lr: float | None = None
     context: dict[str, Any] = field(default_factory=dict)
     optimizer: str = "default"
+    extra: Params = field(default_factory=dict)
+    step: LocalStep | None = None
+    batches_per_step: int = 1
 
     def __post_init__(self) -> None:
+        clash = [name for name in self.extra if name.startswith(("body.", "head."))]
+        if clash:
+            raise ValueError(f"Fit.extra names must not start with 'body.' or 'head.' (model names): {clash[:3]}")
+        if self.batches_per_step < 1:
+            raise ValueError(f"Fit.batches_per_step must be >= 1, got {self.batches_per_step}")
         if self.trainable not in ("all", "body", "head"):
             raise ValueError(f"Fit.trainable must be 'all', 'body' or 'head', got {self.trainable!r}")
         for name in ("epochs", "steps", "lr"):
@@ -91,6 +110,38 @@ class Fit:
 
 
 ClientUpdate = Generator[Fit, Params, tuple[Any, Message]]
+
+
+class Batch(NamedTuple):
+    """One mini-batch of the client's training data, as a custom local step receives it."""
+    x: torch.Tensor
+    y: torch.Tensor
+    index: torch.Tensor  # positions in the client's training set
+
+
+class StepTools(Protocol):
+    """What a custom local step (`Fit.step`) may use; the runtime's trainer provides it.
+
+    `params` holds the live tensors: the model's parameters (by name) and the request's `extra`
+    tensors. A step changes them in place (under `torch.no_grad()`); the trainer returns their
+    final values. `loss_and_grad` evaluates the request's loss (with the request's context) on a
+    batch at any parameter values, in train mode (BatchNorm statistics are updated, dropout drawn
+    from the trainer's seeded generator), and returns the loss and its gradient."""
+    params: Params
+    trainable: list[str]  # the model parameters the request's `trainable` part selects
+    lr: float
+
+    def loss_and_grad(self, batch: Batch, at: Params | None = None,
+                      wrt: list[str] | None = None) -> tuple[torch.Tensor, Params]:
+        """(loss, {name: d loss / d at[name]}) at `at` (default: the live params) for the names in
+        `wrt` (default: `trainable`)."""
+        ...
+
+
+# A custom local step: given the tools and `Fit.batches_per_step` consecutive mini-batches, update
+# `tools.params` in place and return the step's loss (a float). A module-level function (with
+# functools.partial for hyperparameters) so that requests can go to worker processes.
+LocalStep = Callable[[StepTools, list[Batch]], float]
 
 
 class NoHyper(BaseModel):
@@ -174,6 +225,24 @@ class Algorithm:
 
     def has_custom_predict(self) -> bool:
         return type(self).predict is not Algorithm.predict
+
+    def trained_model(self, cid: int, client: Any, params: Params) -> Params:
+        """What a participant predicts with right after its local training (config
+        `eval_point=after_local_training`): `client` is its new state, `params` the answer to its
+        last Fit. Default: that answer (APFL mixes it with the personal model)."""
+        return params
+
+    def adapt(self, cid: int, server: Any, client: Any, params: Params) -> Fit | None:
+        """Evaluation-time adaptation (FedBABU's fine-tuning, Per-FedAvg's one step): a Fit request
+        on the client's training data starting from `params`, the model evaluation would measure.
+        The engine runs it before each evaluation (seeded apart from training), evaluates the
+        adapted model and then throws it away: nothing is written back into client or server
+        state, the client's BatchNorm statistics and optimizer state included. None: evaluate
+        `params` as they are (the default)."""
+        return None
+
+    def has_adaptation(self) -> bool:
+        return type(self).adapt is not Algorithm.adapt
 
     @staticmethod
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:

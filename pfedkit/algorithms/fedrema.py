@@ -23,19 +23,18 @@ uploaded (as is the case for probe="prototypes"); otherwise nothing beyond the m
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
-                                     cross_entropy, register)
+from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, cross_entropy, register
 from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
+from pfedkit.algorithms.prototypes import alignment_loss, global_prototypes, present_class_means
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, torch_generator
 
@@ -153,47 +152,8 @@ def class_prototypes(features: torch.Tensor, labels: torch.Tensor,
 
     Returns (classes [k] int64, prototypes [k, d] float32, counts [k] int64).
     """
-    counts = torch.bincount(labels, minlength=num_classes)
-    sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64)
-    sums.index_add_(0, labels, features.double())
-    classes = torch.nonzero(counts).reshape(-1)
-    means = (sums[classes] / counts[classes, None].double()).float()
-    return classes, means, counts[classes]
-
-
-def global_prototypes(uploads: Sequence[Mapping[str, torch.Tensor]], num_classes: int, dim: int,
-                      weighting: Literal["uniform", "count"] = "uniform") -> torch.Tensor:
-    """c̄_c = mean over the uploading clients that have class c (§1.7), as [C, d] float32.
-
-    weighting="uniform" [code] weighs every client alike; "count" weighs by n_{i,c} (FedPAC).
-    Classes nobody uploaded are rows of NaN (no prototype).
-    """
-    sums = torch.zeros(num_classes, dim, dtype=torch.float64)
-    totals = torch.zeros(num_classes, dtype=torch.float64)
-    for upload in uploads:
-        classes = upload["prototype_classes"]
-        weights = (upload["prototype_counts"].double() if weighting == "count"
-                   else torch.ones(classes.shape[0], dtype=torch.float64))
-        sums.index_add_(0, classes, upload["prototypes"].double() * weights[:, None])
-        totals.index_add_(0, classes, weights)
-    return (sums / totals[:, None]).float()  # 0 / 0 = NaN marks absent classes
-
-
-def alignment_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
-                   lambda_f: float) -> torch.Tensor:
-    """Eq. 11: CE + λ_F · MSE(h_b, c̄_{y_b}) over the batch (mean over batch and features).
-
-    context["prototypes"] is [C, d] with NaN rows for classes without a global prototype; those
-    samples contribute 0 (their target is their own detached feature). No prototypes: plain CE.
-    """
-    loss = cross_entropy(out, y, params, context)
-    prototypes = context.get("prototypes")
-    if prototypes is None or lambda_f == 0:
-        return loss
-    targets = prototypes[y]
-    known = ~torch.isnan(targets).any(dim=1, keepdim=True)
-    targets = torch.where(known, targets, out.features.detach())
-    return loss + lambda_f * F.mse_loss(out.features, targets)
+    classes, means, counts = present_class_means(features, labels, num_classes)
+    return classes, means.float(), counts
 
 
 # ---------------------------------------------------------------------------------------------

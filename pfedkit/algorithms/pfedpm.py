@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
+from pfedkit.algorithms.prototypes import class_means
 from pfedkit.algorithms.params import Params, clone
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, derive_seed, torch_generator
@@ -67,18 +68,6 @@ FeatureTable = tuple[torch.Tensor, torch.Tensor]
 
 # ---------------------------------------------------------------------------------------------
 # The math (pure functions)
-
-
-def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. (6): C_i^(c) = (1/n_{i,c}) sum_{y=c} f(x) for every class -> (means [C, d], counts [C]).
-
-    Rows of classes without samples are zero; counts (int64) tell which classes exist.
-    """
-    counts = torch.bincount(labels, minlength=num_classes)
-    sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64)
-    sums.index_add_(0, labels, features.double())
-    means = sums / counts.clamp(min=1).unsqueeze(1)
-    return means.to(features.dtype), counts
 
 
 def global_features(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int, int]]],

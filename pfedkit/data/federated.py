@@ -16,7 +16,8 @@ import torch
 from pfedkit.algorithms.base import ClientData
 from pfedkit.config import Config
 from pfedkit.data.datasets import Dataset
-from pfedkit.data.partition import class_counts, partition, split_train_test, test_from_official
+from pfedkit.data.partition import (class_counts, partition, split_train_test, stratified_subset,
+                                    test_from_official)
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,13 @@ def split_indices(config: Config, dataset: Dataset) -> tuple[list[np.ndarray], l
     y = dataset.y
     if mode == "per_client":
         pool = np.arange(len(y))
+        pool = stratified_subset(pool, y[pool], part.pool_fraction, config.seed)
         shares = partition(y[pool], part.scheme, config.num_clients, config.seed, **params)
         pairs = [split_train_test(pool[s], y, part.train_ratio, config.seed, cid, part.stratified)
                  for cid, s in enumerate(shares)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
     train_pool = np.flatnonzero(~dataset.official_test)
+    train_pool = stratified_subset(train_pool, y[train_pool], part.pool_fraction, config.seed)
     test_pool = np.flatnonzero(dataset.official_test)
     shares = partition(y[train_pool], part.scheme, config.num_clients, config.seed, **params)
     extra = {"fraction": part.test_fraction} if mode == "official_fraction" else {"shots": part.test_shots}

@@ -582,3 +582,19 @@ def class_counts(parts: list[np.ndarray], labels: np.ndarray, num_classes: int) 
                                  "as num_classes.")
         counts[client] = np.bincount(own, minlength=num_classes)
     return counts
+
+
+def stratified_subset(indices: np.ndarray, labels: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """A seeded class-stratified `fraction` of `indices` (labels[i] is the label of indices[i]):
+    round(fraction * n_c) random members of every class c, returned in their original order.
+    fraction = 1 returns `indices` unchanged."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if fraction == 1:
+        return indices
+    rng = _rng(seed, "pool-fraction")
+    keep = np.zeros(len(indices), dtype=bool)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        keep[rng.choice(members, size=int(round(fraction * len(members))), replace=False)] = True
+    return indices[keep]

@@ -146,7 +146,7 @@ class Simulation:
             state.clients[cid] = client_state
         state.server = algo.aggregate(rnd, state.server, replies)
         trained = time.perf_counter()
-        evals = self._evaluate(state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
+        evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
         evaluated = time.perf_counter()
         state.rows.extend(self._rows(rnd, cids, messages, reported, replies, stats, evals))
         state.round = rnd
@@ -166,19 +166,34 @@ class Simulation:
         of the next round); "after_local_training" = a participant's model as its last Fit of the
         round returned it (non-participants: `client_model`, their model did not change)."""
         if self.eval_point == "after_local_training" and "trained" in stats.get(cid, {}):
-            return stats[cid]["trained"]
+            return self.algorithm.trained_model(cid, state.clients[cid], stats[cid]["trained"])
         return self.algorithm.client_model(cid, state.server, state.clients[cid])
 
-    def _evaluate(self, state: SimState, stats: dict[int, dict]):
+    def _evaluate(self, rnd: int, state: SimState, stats: dict[int, dict]):
         algo = self.algorithm
         custom = algo.has_custom_predict()
-        items = [(cid, self.evaluated_model(cid, state, stats), state.buffers[cid],
+        models = {cid: (self.evaluated_model(cid, state, stats), state.buffers[cid])
+                  for cid in range(self.data.num_clients)}
+        if algo.has_adaptation():
+            models.update(self._adapted(rnd, state, models))
+        items = [(cid, params, buffers,
                   partial(algo.predict, cid, state.server, state.clients[cid]) if custom else None)
-                 for cid in range(self.data.num_clients)]
+                 for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         state.class_correct = np.stack([evals[c].class_correct for c in range(len(items))])
         state.class_total = np.stack([evals[c].class_total for c in range(len(items))])
         return evals
+
+    def _adapted(self, rnd: int, state: SimState, models: dict[int, tuple]) -> dict[int, tuple]:
+        """Evaluation-time adaptation (`Algorithm.adapt`): the clients' adapted models and BatchNorm
+        statistics, trained by the runtime like any Fit and never written back into the state."""
+        algo, jobs = self.algorithm, []
+        for cid, (params, buffers) in models.items():
+            request = algo.adapt(cid, state.server, state.clients[cid], params)
+            if request is not None:
+                jobs.append(FitJob(rnd, cid, 0, request, buffers, None, purpose="adapt"))
+        outcomes = self.runtime.fit_many(jobs) if jobs else {}
+        return {cid: (outcome.params, outcome.buffers) for cid, outcome in outcomes.items()}
 
     def _rows(self, rnd, cids, messages, reported, replies, stats, evals) -> list[dict]:
         """One metrics row per client; `reported`: bytes of the round's client_report uploads."""

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pfedkit.algorithms.base import Fit, Forward
+from torch.func import functional_call
+
+from pfedkit.algorithms.base import Batch, Fit, Forward
 from pfedkit.algorithms.params import Params
 from pfedkit.engine.seeds import derive_seed, torch_generator
 
@@ -45,6 +47,15 @@ class FitJob:
     # The client's saved state of the optimizer `request.optimizer` (SGD momentum buffers by
     # parameter name); None: a fresh optimizer. Only with `keep_optimizer_state`.
     optimizer_state: Params | None = None
+    # "fit" for training; "adapt" for evaluation-time adaptation (Algorithm.adapt), whose batches
+    # and dropout masks are drawn from generators of their own.
+    purpose: str = "fit"
+
+    def seed_tag(self, kind: str) -> str:
+        """The tag of this job's `kind` generator ("batches" or "dropout"), unique per request."""
+        if self.purpose == "fit":  # the names used since the first release: same numbers as before
+            return f"fit-{self.index}" if kind == "batches" else f"dropout-{self.index}"
+        return f"{self.purpose}-{kind}-{self.index}"
 
 
 @dataclass
@@ -97,34 +108,65 @@ class LocalTrainer:
     def fit(self, job: FitJob, x: torch.Tensor, y: torch.Tensor) -> FitOutcome:
         request, s = job.request, self.settings
         self._load(request.params, job.buffers)
-        trainable = self._set_trainable(request.trainable)
-        optimizer = torch.optim.SGD(trainable, lr=request_lr(request, s), momentum=s.momentum,
-                                    weight_decay=s.weight_decay, foreach=True)
-        self._load_momentum(optimizer, job.optimizer_state)
-        generator = torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}")
+        live = self._live(request)
+        trainable = self._set_trainable(request.trainable, live)
+        generator = torch_generator(s.seed, job.rnd, job.cid, job.seed_tag("batches"))
         self.model.train()
-        total, steps, samples = 0.0, 0, 0
         # Dropout draws from torch's global generator: seed it per job (and restore it after), so
         # results do not depend on which clients a process trained before this one.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, f"dropout-{job.index}"))
-            for batch in batch_schedule(request, s, len(y), generator):
-                total += self._step(request, optimizer, trainable, x[batch], y[batch], batch)
-                steps += 1
+            torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout")))
+            schedule = batch_schedule(request, s, len(y), generator)
+            if request.step is not None:
+                return self._fit_custom(request, live, schedule, x, y)
+            optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),
+                                        momentum=s.momentum, weight_decay=s.weight_decay, foreach=True)
+            self._load_momentum(optimizer, live, job.optimizer_state)
+            total, samples = 0.0, 0
+            for batch in schedule:
+                total += self._step(request, optimizer, live, trainable, x[batch], y[batch], batch)
                 samples += len(batch)
-        return FitOutcome(self._params_out(), self._buffers_out(), total / max(steps, 1), steps, samples,
-                          self._momentum_out(optimizer, job.optimizer_state))
+        return FitOutcome(self._params_out(live), self._buffers_out(), total / max(len(schedule), 1),
+                          len(schedule), samples, self._momentum_out(optimizer, live, job.optimizer_state))
 
-    def _step(self, request: Fit, optimizer, trainable, xb, yb, index) -> float:
+    def _fit_custom(self, request: Fit, live: Params, schedule: list[torch.Tensor], x, y) -> FitOutcome:
+        """Run `request.step` over consecutive groups of `batches_per_step` batches."""
+        for tensor in live.values():
+            tensor.requires_grad_(False)
+        tools = _Tools(self, request, live)
+        size = request.batches_per_step
+        groups = [schedule[i:i + size] for i in range(0, len(schedule) - size + 1, size)]
+        total, samples = 0.0, 0
+        for group in groups:
+            total += float(request.step(tools, [Batch(x[b], y[b], b) for b in group]))
+            samples += sum(len(b) for b in group)
+        return FitOutcome(self._params_out(live), self._buffers_out(), total / max(len(groups), 1),
+                          len(groups), samples, None)
+
+    def forward(self, params: Params, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of the model at `params` (module buffers, train/eval mode as set)."""
+        body = {n[len("body."):]: t for n, t in params.items() if n.startswith("body.")}
+        head = {n[len("head."):]: t for n, t in params.items() if n.startswith("head.")}
+        with self._precision():
+            features = functional_call(self.model.body, body, (x,), strict=False)
+            logits = functional_call(self.model.head, head, (features,), strict=False)
+        return features, logits
+
+    def _live(self, request: Fit) -> Params:
+        """The model's parameters (the module's own tensors) and leaf copies of `request.extra`."""
+        extra = {name: t.detach().clone().requires_grad_(True) for name, t in request.extra.items()}
+        return {**self.parameters, **extra}
+
+    def _step(self, request: Fit, optimizer, live, trainable, xb, yb, index) -> float:
         optimizer.zero_grad(set_to_none=True)
         with self._precision():
             features = self.model.body(xb)
             logits = self.model.head(features)
         out = Forward(features.float(), logits.float(), index)
-        loss = request.loss(out, yb, self.parameters, request.context)
+        loss = request.loss(out, yb, live, request.context)
         loss.backward()
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(trainable, self.settings.grad_clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_([live[n] for n in trainable], self.settings.grad_clip, foreach=True)
         optimizer.step()
         return float(loss.detach())
 
@@ -144,39 +186,62 @@ class LocalTrainer:
             self.buffers[name].copy_(tensor)
 
     @torch.no_grad()
-    def _load_momentum(self, optimizer: torch.optim.SGD, saved: Params | None) -> None:
+    def _load_momentum(self, optimizer: torch.optim.SGD, live: Params, saved: Params | None) -> None:
         """Resume the client's optimizer: its saved momentum buffers for the trainable tensors."""
         if not saved or not self.settings.momentum:
             return
-        for name, tensor in self.parameters.items():
+        for name, tensor in live.items():
             if tensor.requires_grad and name in saved:
                 optimizer.state[tensor]["momentum_buffer"] = saved[name].clone()
 
-    def _momentum_out(self, optimizer: torch.optim.SGD, saved: Params | None) -> Params | None:
+    def _momentum_out(self, optimizer: torch.optim.SGD, live: Params, saved: Params | None) -> Params | None:
         """The optimizer state to keep: buffers of the tensors trained now, the saved ones of the
         tensors this request froze (one optimizer over the whole model, as in PFLlib)."""
         if not (self.settings.keep_optimizer_state and self.settings.momentum):
             return None
         state = dict(saved or {})
-        for name, tensor in self.parameters.items():
+        for name, tensor in live.items():
             buffer = optimizer.state.get(tensor, {}).get("momentum_buffer")
             if buffer is not None:
                 state[name] = buffer.detach().clone(memory_format=torch.contiguous_format)
         return state
 
-    def _set_trainable(self, part: str) -> list[torch.Tensor]:
+    def _set_trainable(self, part: str, live: Params) -> list[str]:
+        """Names of the tensors the request trains: the chosen part of the model, and every extra."""
         chosen = []
-        for name, tensor in self.parameters.items():
-            train = part == "all" or name.startswith(part + ".")
+        for name, tensor in live.items():
+            train = part == "all" or name.startswith(part + ".") or name not in self.parameters
             tensor.requires_grad_(train)
             if train:
-                chosen.append(tensor)
+                chosen.append(name)
         return chosen
 
-    def _params_out(self) -> Params:
-        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in self.parameters.items()}
+    def _params_out(self, live: Params) -> Params:
+        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in live.items()}
 
     def _buffers_out(self) -> Params | None:
         if not self.buffers:
             return None
         return {name: t.detach().clone() for name, t in self.buffers.items()}
+
+
+class _Tools:
+    """`StepTools` for a custom local step, over one LocalTrainer's model."""
+
+    def __init__(self, trainer: LocalTrainer, request: Fit, live: Params) -> None:
+        self.trainer, self.request, self.params = trainer, request, live
+        self.trainable = [n for n in trainer.parameters
+                          if request.trainable == "all" or n.startswith(request.trainable + ".")]
+        self.lr = request_lr(request, trainer.settings)
+
+    def loss_and_grad(self, batch: Batch, at: Params | None = None,
+                      wrt: list[str] | None = None) -> tuple[torch.Tensor, Params]:
+        at = self.params if at is None else at
+        wrt = self.trainable if wrt is None else wrt
+        point = {name: (t.detach().requires_grad_(True) if name in wrt else t.detach()) for name, t in at.items()}
+        with torch.enable_grad():
+            features, logits = self.trainer.forward(point, batch.x)
+            out = Forward(features.float(), logits.float(), batch.index)
+            loss = self.request.loss(out, batch.y, point, self.request.context)
+            grads = torch.autograd.grad(loss, [point[n] for n in wrt], allow_unused=True)
+        return loss.detach(), {n: (torch.zeros_like(point[n]) if g is None else g) for n, g in zip(wrt, grads)}

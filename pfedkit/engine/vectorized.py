@@ -8,7 +8,7 @@ How a step's requests are trained:
     dtypes, equal non-tensor values). Epochs and steps may differ inside a group: every client
     simply runs its own number of mini-batches.
   * A group's parameters are stacked ([K, ...] per tensor). Each client's mini-batch indices come
-    from the same generator as in `LocalTrainer` (seeded by (seed, round, client, "fit-<index>")),
+    from the same generator as in `LocalTrainer` (seeded by (seed, round, client, `FitJob.seed_tag`)),
     so every client sees exactly the batches it would see sequentially.
   * At mini-batch step t, the clients that still have a batch are split by the size of that batch
     (the last batch of an epoch is usually smaller) and each split is one call of
@@ -182,7 +182,12 @@ class VectorizedRuntime:
         if self.blocker:
             self._fallback(jobs, "model", self.blocker, outcomes)
             return outcomes
-        for group in self._groups(jobs):
+        custom = [job for job in jobs if job.request.step is not None or job.request.extra]
+        if custom:
+            self._fallback(custom, "custom-step", "they use a custom local step (Fit.step) or extra trained "
+                           "tensors (Fit.extra), which the batched trainer does not run", outcomes)
+        plain = [job for job in jobs if job.request.step is None and not job.request.extra]
+        for group in self._groups(plain):
             try:
                 outcomes.update(self._fit_group(group))
             except Exception as err:  # the loss (or model) does not run under vmap
@@ -261,7 +266,7 @@ class VectorizedRuntime:
         batch size, then mostly form contiguous ranges of the stack (views, no copies)."""
         s = self.settings
         schedules = {job.cid: batch_schedule(job.request, s, self.data.clients[job.cid].n_train,
-                                             torch_generator(s.seed, job.rnd, job.cid, f"fit-{job.index}"))
+                                             torch_generator(s.seed, job.rnd, job.cid, job.seed_tag("batches")))
                      for job in jobs}
         jobs = sorted(jobs, key=lambda job: (-len(schedules[job.cid]),
                                              -len(schedules[job.cid][-1]) if schedules[job.cid] else 0))

@@ -1,0 +1,153 @@
+"""FedRoD (Chen & Chao, *On Bridging Generic and Personalized Federated Learning for Image
+Classification*, ICLR 2022; baselines.md "FedRoD").
+
+Model: the shared body f and generic head g_G (the model's last Linear, averaged by the server)
+plus a personal head g_P (same shape as g_G) that never leaves the client. Per mini-batch, one
+SGD step on the sum of two losses whose gradients do not overlap:
+
+    L_G = CE(z_G + gamma * log n_{i,.}, y)                   balanced softmax, trains f and g_G
+    L_P = CE(z_G.detach() + g_P(f(x).detach()), y)           trains g_P only
+
+with z_G = g_G(f(x)) and n_{i,c} the client's training counts (`data.class_counts`). A class the
+client lacks has log 0 = -inf in the paper; it is replaced by ABSENT_LOG_COUNT, a large finite
+negative number [ours], so the softmax gives it ~0 probability without NaN (its labels never
+occur locally, so no sample is ever trained towards it).
+
+g_P travels with the request as `Fit.extra` ("personal.weight", "personal.bias"), so the engine's
+SGD step trains it beside the model (the vectorized runtime runs such requests with the
+sequential trainer). Initialised as a copy of the initial generic head [ours]. Upload: body +
+g_G with n_i (FedAvg). Prediction: argmax(z_G + z_P), implemented in `predict` from the body
+features of the evaluated model, with the server's generic head (evaluated = global model after
+the download, settings.md §4.1) and the client's g_P.
+
+Paper-vs-code table: docs/algorithms/fedrod.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
+from pfedkit.algorithms.fedavg import fedavg_aggregate
+from pfedkit.algorithms.params import Params, clone, select
+from pfedkit.config import ConfigError
+
+ABSENT_LOG_COUNT = -1.0e4  # stands for log 0 = -inf: exp(-1e4) underflows to 0, no NaN
+PERSONAL = "personal"      # prefix of the personal head's names in Fit.extra / client state
+
+
+# ---------------------------------------------------------------------------------------------
+# The math (pure functions)
+
+
+def log_class_counts(counts: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """log n_{i,c} per class as float32 [C]; classes with n_{i,c} = 0 get ABSENT_LOG_COUNT."""
+    counts = torch.as_tensor(np.asarray(counts), dtype=torch.float64)
+    logs = torch.where(counts > 0, counts.clamp(min=1.0).log(), torch.full_like(counts, ABSENT_LOG_COUNT))
+    return logs.float()
+
+
+def linear_part(params: Params, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [C, d], bias [C] or None) of the single Linear layer stored under `prefix.`."""
+    part = {name: value for name, value in params.items() if name.startswith(prefix + ".")}
+    weights = [name for name, value in part.items() if name.endswith("weight") and value.dim() == 2]
+    biases = [name for name, value in part.items() if name.endswith("bias") and value.dim() == 1]
+    if len(weights) != 1 or len(biases) > 1 or len(part) != len(weights) + len(biases):
+        raise ValueError(f"expected one Linear layer (a weight and optionally a bias) under {prefix!r}, "
+                         f"got {sorted(part)}")
+    return part[weights[0]], (part[biases[0]] if biases else None)
+
+
+def personal_head_from(head: Params) -> Params:
+    """A personal head g_P with the generic head's shapes and values, named `personal.*`."""
+    weight, bias = linear_part(head, "head")
+    personal = {f"{PERSONAL}.weight": weight.detach().clone()}
+    if bias is not None:
+        personal[f"{PERSONAL}.bias"] = bias.detach().clone()
+    return personal
+
+
+def personal_logits(params: Params, features: torch.Tensor) -> torch.Tensor:
+    """z_P = g_P(h) = W_P h + b_P."""
+    weight, bias = linear_part(params, PERSONAL)
+    return F.linear(features, weight, bias)
+
+
+def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, log_counts: torch.Tensor,
+                          gamma: float) -> torch.Tensor:
+    """L_G = CE(z_G + gamma * log n_{i,.}, y), mean over the batch. Its gradient with respect to
+    z_G is softmax(z_G + gamma log n) - onehot(y) (per sample, divided by the batch size)."""
+    return F.cross_entropy(logits + gamma * log_counts.to(logits.dtype), y)
+
+
+def fedrod_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                gamma: float) -> torch.Tensor:
+    """L_G + L_P (module docstring). context["log_counts"]: `log_class_counts` of the client.
+
+    L_P sees z_G and h only through .detach(), so the personal head's gradient comes from L_P
+    alone and the body/generic head's from L_G alone: one SGD step on the sum is the paper's two
+    updates (momentum and weight decay are per tensor; gradient clipping, if set, clips the
+    joint norm)."""
+    generic = balanced_softmax_loss(out.logits, y, context["log_counts"], gamma)
+    personal = F.cross_entropy(out.logits.detach() + personal_logits(params, out.features.detach()), y)
+    return generic + personal
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithm
+
+
+@register
+class FedRoD(Algorithm):
+    name = "fedrod"
+    description = "FedRoD: shared body + generic head on balanced softmax, private personal head on top"
+    head = "last"
+
+    class Hyper(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        gamma: float = Field(1.0, ge=0, description="balanced-softmax exponent: CE(z + gamma log n_{i,c}, y); "
+                             "0 = plain CE for the generic head")
+
+    def check(self) -> None:
+        head = select(self.setup.ops.initial_params(), "head")
+        try:
+            linear_part(head, "head")
+        except ValueError as error:
+            raise ConfigError(f"fedrod needs the model's head to be one Linear layer (head='last'): {error}") from None
+
+    def init_server(self, params: Params) -> dict[str, Any]:
+        return {"params": clone(params)}
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        """The personal head g_P: a copy of the initial generic head [ours]."""
+        return {"personal": personal_head_from(select(params, "head"))}
+
+    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
+        return {cid: {"params": server["params"]} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        trained = yield Fit(message["params"], loss=partial(fedrod_loss, gamma=self.h.gamma),
+                            context={"log_counts": log_class_counts(data.class_counts)},
+                            extra=client["personal"])
+        personal = {name: trained[name] for name in client["personal"]}
+        shared = {name: value for name, value in trained.items() if name.startswith(("body.", "head."))}
+        return {"personal": personal}, {"params": shared, "weight": data.n_train}
+
+    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
+        return {"params": fedavg_aggregate(replies)} if replies else server
+
+    def client_model(self, cid: int, server: dict, client: dict) -> Params:
+        """Global body + generic head; the personal head is added in `predict`."""
+        return server["params"]
+
+    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """z_G + z_P = g_G(h) + g_P(h), h = the evaluated model's body output."""
+        generic = self.setup.ops.head_logits(server["params"], features)
+        with torch.no_grad():
+            return generic + personal_logits(client["personal"], features)

@@ -1,0 +1,95 @@
+"""pFedMe (T. Dinh, Tran, Nguyen, NeurIPS 2020): personalisation through Moreau envelopes.
+
+Each participant downloads w^t and sets its local copy w_i = w^t and its personalised model
+theta = w^t. Per local step (one mini-batch), a custom `Fit.step`:
+  K times:  theta <- theta - eta_p (grad F(theta; batch) + lam (theta - w_i) + mu theta)
+            (approximate solve of argmin_theta F(theta; batch) + (lam/2) ||theta - w_i||^2)
+  then:     w_i <- w_i - eta lam (w_i - theta)                         (eta = the config's lr)
+The Fit trains theta as the model's parameters and carries w_i as `extra` tensors named
+"local.<parameter name>". The client uploads w_i and keeps theta; the server mixes
+w^{t+1} = (1 - beta) w^t + beta * mean_i w_i (UNWEIGHTED mean over the uploads).
+Defaults (FL-bench): lam = 15, K = 5, eta_p = 0.01, beta = 1, mu = 1e-3.
+
+Evaluated model: the client's theta after its latest participation (before its first one: the
+global model). Communication: the model down, the model up.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pfedkit.algorithms.base import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools, register
+from pfedkit.algorithms.params import Params, clone, weighted_mean
+
+LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
+
+
+def moreau_step(tools: StepTools, batches: list[Batch], *, lam: float, inner_steps: int,
+                personal_lr: float, mu: float) -> float:
+    """One pFedMe local step on one batch: K inner steps on theta (the live model parameters) towards
+    argmin F + (lam/2)||theta - w_i||^2 (+ mu theta, as pFedMe's optimizer), then
+    w_i <- w_i - lr lam (w_i - theta). Returns the mean loss of the K inner evaluations."""
+    (batch,) = batches
+    params, total = tools.params, 0.0
+    for _ in range(inner_steps):
+        loss, grads = tools.loss_and_grad(batch)
+        total += float(loss)
+        with torch.no_grad():
+            for name, grad in grads.items():
+                theta = params[name]
+                theta.sub_(personal_lr * (grad + lam * (theta - params[LOCAL + name]) + mu * theta))
+    with torch.no_grad():
+        for name in tools.trainable:
+            local = params[LOCAL + name]
+            local.sub_(tools.lr * lam * (local - params[name]))
+    return total / max(inner_steps, 1)
+
+
+def mix(old: Params, mean: Params, beta: float) -> Params:
+    """(1 - beta) old + beta mean, entry by entry (beta = 0: `old` exactly)."""
+    return weighted_mean([old, mean], [1.0 - beta, beta])
+
+
+@register
+class PFedMe(Algorithm):
+    name = "pfedme"
+    description = "pFedMe: Moreau-envelope inner solve (K steps, lam) per batch, server mix with beta"
+
+    class Hyper(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i")
+        inner_steps: int = Field(5, ge=1, description="K: gradient steps of the inner (personalised) problem per batch")
+        personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps")
+        beta: float = Field(1.0, ge=0, description="server mixing: w <- (1 - beta) w + beta mean_i w_i "
+                            "(the paper also uses 2)")
+        mu: float = Field(0.001, ge=0, description="L2 term mu theta in the inner steps")
+
+    def init_server(self, params: Params) -> dict[str, Any]:
+        return {"params": clone(params)}
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        return {"theta": None}  # no personalised model before the first participation
+
+    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
+        return {cid: {"params": server["params"]} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        received = message["params"]
+        step = partial(moreau_step, lam=self.h.lam, inner_steps=self.h.inner_steps,
+                       personal_lr=self.h.personal_lr, mu=self.h.mu)
+        trained = yield Fit(received, step=step, extra={LOCAL + name: t for name, t in received.items()})
+        theta = {name: t for name, t in trained.items() if not name.startswith(LOCAL)}
+        local = {name[len(LOCAL):]: t for name, t in trained.items() if name.startswith(LOCAL)}
+        return {"theta": theta}, {"params": local}
+
+    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
+        if not replies:
+            return server
+        uploads = [replies[cid]["params"] for cid in sorted(replies)]
+        return {"params": mix(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.h.beta)}
+
+    def client_model(self, cid: int, server: dict, client: dict) -> Params:
+        return server["params"] if client["theta"] is None else client["theta"]
