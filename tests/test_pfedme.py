@@ -105,3 +105,16 @@ def test_evaluated_model_is_theta_or_the_global_model_before_the_first_participa
 def test_end_to_end_on_digits_beats_chance(small_config):
     result = pfedkit.run({**small_config, "algorithm": "pfedme", "threads": 1})
     assert result.summary["final_acc"] > 0.3
+
+
+def test_one_inner_step_from_the_local_copy_reduces_to_fedavg(small_config):
+    """The limit case: one client, one full batch per round, K = 1, mu = 0, beta = 1. Each round
+    theta starts at w_i (= the received w), so theta_hat = w - eta_p grad F(w) and
+    w_i <- w_i - lr lam (w_i - theta_hat) = w - (lr lam eta_p) grad F(w): FedAvg with lr * lam * eta_p."""
+    base = {**small_config, "num_clients": 1, "rounds": 3, "batch_size": 10_000, "lr": 0.1,
+            "partition": {"scheme": "iid"}}
+    pfedme = final_state(pfedkit.run({**base, "algorithm": "pfedme",
+                                      "pfedme": {"lam": 2.0, "personal_lr": 0.25, "inner_steps": 1, "mu": 0.0}}))
+    fedavg = final_state(pfedkit.run({**base, "lr": 0.1 * 2.0 * 0.25}))
+    for name, value in fedavg.server["params"].items():
+        torch.testing.assert_close(pfedme.server["params"][name], value, rtol=1e-5, atol=1e-6)
