@@ -98,7 +98,8 @@ def test_client_update_trains_the_personal_head_as_extra_and_uploads_only_body_a
     assert all(torch.equal(state["personal"][n], trained[n]) for n in state["personal"])
 
 
-def test_predict_adds_the_generic_and_personal_logits():
+def test_evaluated_model_predicts_the_sum_of_generic_and_personal_logits():
+    """z_G + z_P as one head (W_G + W_P, b_G + b_P), after download and after local training."""
     algo = tiny_algorithm()
     initial = algo.setup.ops.initial_params()
     server = algo.init_server(initial)
@@ -106,8 +107,14 @@ def test_predict_adds_the_generic_and_personal_logits():
     features = torch.randn(7, 5)
     expected = (features @ initial["head.fc.weight"].T + initial["head.fc.bias"]
                 + features @ personal["personal.weight"].T + personal["personal.bias"])
-    torch.testing.assert_close(algo.predict(0, server, {"personal": personal}, features), expected)
-    assert algo.client_model(0, server, {"personal": personal}) is server["params"]
+    evaluated = algo.client_model(0, server, {"personal": personal})
+    torch.testing.assert_close(algo.setup.ops.head_logits(evaluated, features), expected)
+    assert all(torch.equal(evaluated[n], initial[n]) for n in initial if n.startswith("body."))
+    assert not algo.has_custom_predict()
+    trained = {**{n: v + 1 for n, v in initial.items()}, **personal}
+    after = algo.trained_model(0, {"personal": personal}, trained)
+    assert set(after) == set(initial)
+    torch.testing.assert_close(after["head.fc.bias"], initial["head.fc.bias"] + 1 + personal["personal.bias"])
 
 
 def test_fedrod_learns_on_digits_uploads_no_personal_head(small_config, tmp_path):

@@ -16,9 +16,8 @@ occur locally, so no sample is ever trained towards it).
 g_P travels with the request as `Fit.extra` ("personal.weight", "personal.bias"), so the engine's
 SGD step trains it beside the model (the vectorized runtime runs such requests with the
 sequential trainer). Initialised as a copy of the initial generic head [ours]. Upload: body +
-g_G with n_i (FedAvg). Prediction: argmax(z_G + z_P), implemented in `predict` from the body
-features of the evaluated model, with the server's generic head (evaluated = global model after
-the download, settings.md §4.1) and the client's g_P.
+g_G with n_i (FedAvg). Prediction: argmax(z_G + z_P), evaluated as one Linear head with
+W_G + W_P and b_G + b_P (`with_personal_head`; exact, both heads read the same features).
 
 Paper-vs-code table: docs/algorithms/fedrod.md.
 """
@@ -71,6 +70,17 @@ def personal_head_from(head: Params) -> Params:
     if bias is not None:
         personal[f"{PERSONAL}.bias"] = bias.detach().clone()
     return personal
+
+
+def with_personal_head(params: Params, personal: Params) -> Params:
+    """The model with head g_G + g_P: both heads are Linear maps of the same features, so
+    (W_G + W_P) h + (b_G + b_P) = z_G + z_P, the paper's prediction, as one ordinary head (every
+    runtime evaluates it like any model, whichever `eval_point`)."""
+    weight_p, bias_p = linear_part(personal, PERSONAL)
+    summed = dict(params)
+    for name, value in select(params, "head").items():  # one Linear: a 2-d weight, a 1-d bias
+        summed[name] = value + (weight_p if value.dim() == 2 else bias_p)
+    return summed
 
 
 def personal_logits(params: Params, features: torch.Tensor) -> torch.Tensor:
@@ -143,11 +153,10 @@ class FedRoD(Algorithm):
         return {"params": fedavg_aggregate(replies)} if replies else server
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
-        """Global body + generic head; the personal head is added in `predict`."""
-        return server["params"]
+        """Global body + (generic head + personal head), see `with_personal_head`."""
+        return with_personal_head(server["params"], client["personal"])
 
-    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
-        """z_G + z_P = g_G(h) + g_P(h), h = the evaluated model's body output."""
-        generic = self.setup.ops.head_logits(server["params"], features)
-        with torch.no_grad():
-            return generic + personal_logits(client["personal"], features)
+    def trained_model(self, cid: int, client: dict, params: Params) -> Params:
+        """After local training: the trained body and generic head with the new personal head."""
+        return with_personal_head({n: t for n, t in params.items() if n.startswith(("body.", "head."))},
+                                  client["personal"])
