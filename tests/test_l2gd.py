@@ -7,8 +7,8 @@ import torch
 from conftest import final_state
 
 import pfedkit
-from pfedkit.algorithms.l2gd import is_aggregation_round, mix_towards
-from pfedkit.algorithms.params import num_parameters
+from pfedkit.algorithms.l2gd import is_aggregation_round
+from pfedkit.algorithms.params import interpolate, num_parameters
 
 
 def test_coin_is_seeded_and_has_rate_p():
@@ -19,7 +19,7 @@ def test_coin_is_seeded_and_has_rate_p():
 
 
 def test_mixing_step_is_convex_combination():
-    out = mix_towards({"w": torch.tensor([1.0, 3.0])}, {"w": torch.tensor([5.0, -1.0])}, 0.25)
+    out = interpolate({"w": torch.tensor([1.0, 3.0])}, {"w": torch.tensor([5.0, -1.0])}, 0.25)
     torch.testing.assert_close(out["w"], torch.tensor([2.0, 2.0]))
 
 

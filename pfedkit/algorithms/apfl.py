@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Batch, ClientData, ClientUpdate, Fit, Message, StepTools, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.params import Params, clone, interpolate
 
 PERSONAL = "personal."  # prefix of v among a Fit's extra tensors
 ALPHA = "alpha"
@@ -32,7 +32,7 @@ ALPHA = "alpha"
 
 def mixture(personal: Params, global_: Params, alpha: float | torch.Tensor) -> Params:
     """vbar = alpha v + (1 - alpha) w, entry by entry over the names of `global_`."""
-    return {name: alpha * personal[name] + (1 - alpha) * w for name, w in global_.items()}
+    return interpolate(global_, personal, alpha)
 
 
 def apfl_step(tools: StepTools, batches: list[Batch], *, adaptive: bool, alpha_lr: float | None) -> float:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch.func import functional_call
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, merge, select
+from pfedkit.algorithms.params import Params, clone, merge, select, unprefixed
 from pfedkit.algorithms.prototypes import present_class_means
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, torch_generator
@@ -47,8 +47,7 @@ def train_global_head(head_module: torch.nn.Module, head: Params, features: torc
     live = {name: value.detach().clone().requires_grad_(True) for name, value in head.items()}
     features, labels = features.detach(), labels.detach()
     for batch in batch_order(len(labels), batch_size, False, generator):
-        state = {name[len("head."):]: value for name, value in live.items()}
-        logits = functional_call(head_module, state, (features[batch],))
+        logits = functional_call(head_module, unprefixed(live, "head"), (features[batch],))
         loss = F.cross_entropy(logits, labels[batch])
         grads = torch.autograd.grad(loss, list(live.values()))
         with torch.no_grad():

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
 from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, select
+from pfedkit.algorithms.params import Params, clone, linear_layer_names, select
 from pfedkit.config import ConfigError
 
 ABSENT_LOG_COUNT = -1.0e4  # stands for log 0 = -inf: exp(-1e4) underflows to 0, no NaN
@@ -54,13 +54,8 @@ def log_class_counts(counts: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def linear_part(params: Params, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [C, d], bias [C] or None) of the single Linear layer stored under `prefix.`."""
-    part = {name: value for name, value in params.items() if name.startswith(prefix + ".")}
-    weights = [name for name, value in part.items() if name.endswith("weight") and value.dim() == 2]
-    biases = [name for name, value in part.items() if name.endswith("bias") and value.dim() == 1]
-    if len(weights) != 1 or len(biases) > 1 or len(part) != len(weights) + len(biases):
-        raise ValueError(f"expected one Linear layer (a weight and optionally a bias) under {prefix!r}, "
-                         f"got {sorted(part)}")
-    return part[weights[0]], (part[biases[0]] if biases else None)
+    weight, bias = linear_layer_names(params, prefix)
+    return params[weight], (params[bias] if bias is not None else None)
 
 
 def personal_head_from(head: Params) -> Params:

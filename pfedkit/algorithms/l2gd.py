@@ -20,18 +20,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, weighted_mean
+from pfedkit.algorithms.params import Params, clone, interpolate, weighted_mean
 from pfedkit.engine.seeds import SERVER, numpy_rng
 
 
 def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:
     """The round's coin: True (aggregation) with probability p, from a generator of its own."""
     return bool(numpy_rng(seed, rnd, SERVER, "l2gd-coin").random() < p)
-
-
-def mix_towards(params: Params, mean: Params, theta: float) -> Params:
-    """(1 - theta) x + theta * mean, entry by entry."""
-    return {name: (1 - theta) * value + theta * mean[name] for name, value in params.items()}
 
 
 @register
@@ -64,7 +59,7 @@ class L2GD(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         if "mean" in message:
-            return {"params": mix_towards(client["params"], message["mean"], self.h.theta)}, {}
+            return {"params": interpolate(client["params"], message["mean"], self.h.theta)}, {}
         params = yield Fit(client["params"])
         return {"params": params}, {}
 

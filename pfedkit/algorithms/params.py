@@ -22,6 +22,24 @@ def select(params: Params, part: str) -> Params:
     return {name: value for name, value in params.items() if name.startswith(prefix)}
 
 
+def unprefixed(params: Params, part: str) -> Params:
+    """The `body` or `head` entries keyed as inside that submodule (`body.conv1.weight` ->
+    `conv1.weight`): the state for `functional_call(model.body, ...)`."""
+    prefix = part + "."
+    return {name[len(prefix):]: value for name, value in params.items() if name.startswith(prefix)}
+
+
+def linear_layer_names(params: Params, prefix: str) -> tuple[str, str | None]:
+    """(weight name, bias name or None) of the one Linear layer stored under `prefix.` (a 2-d
+    `.weight` and at most a 1-d `.bias`, nothing else); ValueError naming what is there otherwise."""
+    part = [name for name in params if name.startswith(prefix + ".")]
+    weights = [n for n in part if n.endswith(".weight") and params[n].dim() == 2]
+    biases = [n for n in part if n.endswith(".bias") and params[n].dim() == 1]
+    if len(weights) != 1 or len(biases) > 1 or len(part) != len(weights) + len(biases):
+        raise ValueError(f"expected one Linear layer (a weight and optionally a bias) under {prefix!r}, got {sorted(part)}")
+    return weights[0], (biases[0] if biases else None)
+
+
 def merge(*parts: Params) -> Params:
     """Union of parameter subsets; later ones win on a shared name."""
     merged: Params = {}
@@ -50,6 +68,12 @@ def weighted_mean(params_list: Sequence[Params], weights: Iterable[float]) -> Pa
             acc.add_(params[name], alpha=share)
         out[name] = acc
     return out
+
+
+def interpolate(a: Params, b: Params, t: float) -> Params:
+    """(1 - t) a + t b, entry by entry over the names of `a` (t = 0 gives `a`, t = 1 gives `b`)."""
+    t = float(t)
+    return weighted_mean([a, b], [1.0 - t, t])
 
 
 def squared_distance(a: Params, b: Params) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
-from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
+from pfedkit.algorithms.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import derive_seed
 
@@ -278,20 +278,9 @@ def kl_guided_loss(out: Forward, y: torch.Tensor, params: Params, context: Mappi
     return F.cross_entropy(student, y) + kl
 
 
-def classifier_names(params: Params) -> tuple[str, str | None]:
-    """(weight name, bias name or None) of the head, which must be exactly one Linear layer."""
-    head = select(params, "head")
-    weights = [n for n, v in head.items() if n.endswith(".weight") and v.dim() == 2]
-    biases = [n for n in head if n.endswith(".bias")]
-    if len(weights) != 1 or len(head) != len(weights) + len(biases) or len(biases) > 1:
-        raise ValueError(f"pfedcs needs the head to be a single Linear layer (head='last'), got head "
-                         f"parameters {sorted(head)}")
-    return weights[0], (biases[0] if biases else None)
-
-
 def current_feature_teacher(head: Params) -> dict[str, torch.Tensor]:
     """Fit context of teacher="current_features": the fine-tuned customised classifier, detached."""
-    weight_name, bias_name = classifier_names(head)
+    weight_name, bias_name = linear_layer_names(head, "head")
     context = {"teacher_weight": head[weight_name].detach()}
     if bias_name is not None:
         context["teacher_bias"] = head[bias_name].detach()
@@ -382,7 +371,7 @@ class PFedCS(Algorithm):
         """One ConfigError line for options that do not fit the run's model or clients."""
         head = select(self.setup.ops.initial_params(), "head")
         try:
-            _, bias_name = classifier_names(head)
+            _, bias_name = linear_layer_names(head, "head")
         except ValueError:
             raise ConfigError(f"model: pfedcs needs the head (the model's last layer) to be one Linear layer, got "
                               f"head parameters {sorted(head)}; allowed: a model ending in a Linear layer (mlp, cnn, "
@@ -489,7 +478,7 @@ class PFedCS(Algorithm):
 
     def classifier_vector(self, head: Params) -> torch.Tensor:
         """phi_k flattened: the weight matrix, plus the bias with distance_includes_bias."""
-        weight_name, bias_name = classifier_names(head)
+        weight_name, bias_name = linear_layer_names(head, "head")
         parts = [head[weight_name].reshape(-1)]
         if self.h.distance_includes_bias and bias_name is not None:
             parts.append(head[bias_name].reshape(-1))

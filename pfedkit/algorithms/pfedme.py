@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools, register
-from pfedkit.algorithms.params import Params, clone, weighted_mean
+from pfedkit.algorithms.params import Params, clone, interpolate, weighted_mean
 
 LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
 
@@ -46,11 +46,6 @@ def moreau_step(tools: StepTools, batches: list[Batch], *, lam: float, inner_ste
             local = params[LOCAL + name]
             local.sub_(tools.lr * lam * (local - params[name]))
     return total / max(inner_steps, 1)
-
-
-def mix(old: Params, mean: Params, beta: float) -> Params:
-    """(1 - beta) old + beta mean, entry by entry (beta = 0: `old` exactly)."""
-    return weighted_mean([old, mean], [1.0 - beta, beta])
 
 
 @register
@@ -89,7 +84,7 @@ class PFedMe(Algorithm):
         if not replies:
             return server
         uploads = [replies[cid]["params"] for cid in sorted(replies)]
-        return {"params": mix(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.h.beta)}
+        return {"params": interpolate(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.h.beta)}
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return server["params"] if client["theta"] is None else client["theta"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.params import Params, clone, unprefixed
 
 
 class ModelOps:
@@ -45,13 +45,12 @@ class ModelOps:
                  chunk: int | None = None) -> torch.Tensor:
         """Eval-mode body output for x; `chunk`: at most that many samples per forward (memory)."""
         state = self._state(params, buffers)
-        body_state = {k[len("body."):]: v for k, v in state.items() if k.startswith("body.")}
+        body_state = unprefixed(state, "body")
         return _in_chunks(lambda block: functional_call(self.template.body, body_state, (block,)), x, chunk)
 
     @torch.no_grad()
     def head_logits(self, params: Params, features: torch.Tensor) -> torch.Tensor:
-        head_state = {k[len("head."):]: v for k, v in params.items() if k.startswith("head.")}
-        return functional_call(self.template.head, head_state, (features,))
+        return functional_call(self.template.head, unprefixed(params, "head"), (features,))
 
 
 def _in_chunks(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk: int | None) -> torch.Tensor:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
 from torch.func import functional_call
 
 from pfedkit.algorithms.base import Batch, Fit, Forward
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.params import Params, unprefixed
 from pfedkit.engine.seeds import derive_seed, torch_generator
 
 
@@ -118,7 +117,7 @@ class LocalTrainer:
             torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout")))
             schedule = batch_schedule(request, s, len(y), generator)
             if request.step is not None:
-                return self._fit_custom(request, live, schedule, x, y)
+                return self._fit_custom(request, live, trainable, schedule, x, y)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),
                                         momentum=s.momentum, weight_decay=s.weight_decay, foreach=True)
             self._load_momentum(optimizer, live, job.optimizer_state)
@@ -129,11 +128,12 @@ class LocalTrainer:
         return FitOutcome(self._params_out(live), self._buffers_out(), total / max(len(schedule), 1),
                           len(schedule), samples, self._momentum_out(optimizer, live, job.optimizer_state))
 
-    def _fit_custom(self, request: Fit, live: Params, schedule: list[torch.Tensor], x, y) -> FitOutcome:
+    def _fit_custom(self, request: Fit, live: Params, trainable: list[str], schedule: list[torch.Tensor],
+                    x, y) -> FitOutcome:
         """Run `request.step` over consecutive groups of `batches_per_step` batches."""
         for tensor in live.values():
-            tensor.requires_grad_(False)
-        tools = _Tools(self, request, live)
+            tensor.requires_grad_(False)  # the step differentiates copies (`loss_and_grad`)
+        tools = _Tools(self, request, live, [name for name in trainable if name in self.parameters])
         size = request.batches_per_step
         groups = [schedule[i:i + size] for i in range(0, len(schedule) - size + 1, size)]
         total, samples = 0.0, 0
@@ -145,11 +145,9 @@ class LocalTrainer:
 
     def forward(self, params: Params, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of the model at `params` (module buffers, train/eval mode as set)."""
-        body = {n[len("body."):]: t for n, t in params.items() if n.startswith("body.")}
-        head = {n[len("head."):]: t for n, t in params.items() if n.startswith("head.")}
         with self._precision():
-            features = functional_call(self.model.body, body, (x,), strict=False)
-            logits = functional_call(self.model.head, head, (features,), strict=False)
+            features = functional_call(self.model.body, unprefixed(params, "body"), (x,), strict=False)
+            logits = functional_call(self.model.head, unprefixed(params, "head"), (features,), strict=False)
         return features, logits
 
     def _live(self, request: Fit) -> Params:
@@ -228,10 +226,8 @@ class LocalTrainer:
 class _Tools:
     """`StepTools` for a custom local step, over one LocalTrainer's model."""
 
-    def __init__(self, trainer: LocalTrainer, request: Fit, live: Params) -> None:
-        self.trainer, self.request, self.params = trainer, request, live
-        self.trainable = [n for n in trainer.parameters
-                          if request.trainable == "all" or n.startswith(request.trainable + ".")]
+    def __init__(self, trainer: LocalTrainer, request: Fit, live: Params, trainable: list[str]) -> None:
+        self.trainer, self.request, self.params, self.trainable = trainer, request, live, trainable
         self.lr = request_lr(request, trainer.settings)
 
     def loss_and_grad(self, batch: Batch, at: Params | None = None,

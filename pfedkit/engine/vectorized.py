@@ -52,7 +52,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pfedkit.algorithms.base import Forward
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.params import Params, unprefixed
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator, thread_count
 from pfedkit.engine.seeds import torch_generator
@@ -340,11 +340,9 @@ class VectorizedRuntime:
         def client_loss(trainable, frozen_batched, frozen_shared, xb, yb, index, context_batched, context_shared):
             merged = {**frozen_shared, **frozen_batched, **trainable}
             live = {n: merged[n] for n in names}  # module order, like LocalTrainer's parameter dict
-            body_params = {n[len("body."):]: v for n, v in live.items() if n.startswith("body.")}
-            head_params = {n[len("head."):]: v for n, v in live.items() if n.startswith("head.")}
             with precision():
-                features = functional_call(body, body_params, (xb,))
-                logits = functional_call(head, head_params, (features,))
+                features = functional_call(body, unprefixed(live, "body"), (xb,))
+                logits = functional_call(head, unprefixed(live, "head"), (features,))
             out = Forward(features.float(), logits.float(), index)
             leaves = [constants[i] if i in constants else
                       context_batched[i] if i in context_batched else context_shared[i] for i in range(num_leaves)]
