@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 evidence: every non-seed algorithm on MNIST, 20 clients, FedAvgCNN, B=10, E=1, lr 0.005,
+# Issues 7 and 8 evidence: every algorithm pfedkit has (seed methods included) on MNIST, 20 clients, FedAvgCNN, B=10, E=1, lr 0.005,
 # processes backend, under (a) Dirichlet 0.1 and (b) pathological 2 classes per client.
 # Usage: benchmarks/baselines.sh [DATA_DIR] [OUT_DIR] [ALGORITHMS (comma-separated)] [key=value ...]
 #   e.g. benchmarks/baselines.sh ../shared/datasets runs/baselines all rounds=20 partition.pool_fraction=0.2
@@ -12,7 +12,7 @@ ALGOS=${3:-all}
 shift 3 || true
 EXTRA="$*"
 if [ "$ALGOS" = all ]; then
-  ALGOS=local,fedavg,fedprox,fedper,lg_fedavg,fedrep,fedbabu,fedrod,fedpac,fedgh,ditto,apfl,perfedavg,pfedme,l2gd
+  ALGOS=$(python -c "from pfedkit.algorithms import algorithm_names; print(','.join(algorithm_names()))")
 fi
 COMMON="data_dir=$DATA out_dir=$OUT backend=processes workers=2 seed=0 dataset=mnist model=cnn num_clients=20 batch_size=10 local_epochs=1 lr=0.005 rounds=20"
 declare -A PARTITIONS=(

@@ -147,7 +147,7 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
     client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
     setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops,
-                  client_ops)
+                  client_ops, rounds=config.rounds)
     algorithm = algo_cls(config.hyper(), setup)
     algorithm.check()
     runtime = make_runtime(config, archs, data)

@@ -20,6 +20,16 @@ def small_config(tmp_path):
             "partition": {"scheme": "dirichlet", "alpha": 0.5}}
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors: one torch thread avoids thread contention on a shared machine (40x slower here).
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def needs_dataset(name: str):
     return pytest.mark.skipif(not (SHARED_DATASETS / name / f"{name}.npz.xz").is_file(),
                               reason=f"../shared/datasets/{name} not present")

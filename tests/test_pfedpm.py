@@ -30,13 +30,7 @@ D = 6  # feature dimension of the synthetic tests
 C = 5  # classes of the synthetic tests
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny tensors: one thread avoids thread contention on a shared machine (40x slower here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -153,3 +153,24 @@ def test_the_trainer_does_not_modify_the_request_params(client_data):
     before = clone(params)
     make_trainer().fit(FitJob(1, 0, 0, Fit(params, epochs=1), None), x, y)
     assert_same_params(params, before)
+
+
+def test_samples_train_only_on_those_positions_as_if_they_were_the_whole_set(client_data):
+    """Fit.samples: batches are drawn over the subset and the loss sees positions in the FULL set;
+    the result equals training on the sub-dataset alone (same seeded batch order)."""
+    x, y = client_data
+    subset = torch.tensor([1, 4, 5, 9, 12, 13, 20])
+    calls = LossCalls()
+    on_subset = fit(make_trainer(), client_data, samples=subset, epochs=2, loss=calls)
+    alone = fit(make_trainer(), (x[subset], y[subset]), epochs=2)
+    assert_same_params(on_subset.params, alone.params)
+    seen = torch.cat(calls.batches)
+    assert set(seen.tolist()) == set(subset.tolist()) and len(seen) == 2 * len(subset)
+    assert on_subset.samples == 2 * len(subset)
+
+
+def test_samples_outside_the_training_set_are_refused(client_data):
+    with pytest.raises(IndexError, match="position 23"):
+        fit(make_trainer(), client_data, samples=torch.tensor([0, NUM_SAMPLES]))
+    with pytest.raises(ValueError, match="non-negative"):
+        Fit(initial_params(), samples=torch.tensor([-1]))

@@ -12,7 +12,7 @@ import pkgutil
 
 from pfedkit.algorithms.base import Algorithm, registry
 
-_HELPER_MODULES = {"base", "params", "prototypes"}
+_HELPER_MODULES = {"base", "clusters", "params", "peers", "prototypes", "scoring"}
 _loaded = False
 
 

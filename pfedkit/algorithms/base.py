@@ -77,6 +77,9 @@ class Fit:
     loss sees them in `params` next to the model's parameters; the default SGD step trains them
     (whatever `trainable` says), a custom step updates them as it likes. The answer to the request
     holds the model's parameters and the final `extra` tensors, by the same names.
+    samples: positions in the client's training set to train on (FedFomo keeps a validation
+    split out of training); None: all of them. Epochs and batches are over these samples, and
+    `Forward.index` / `Batch.index` still give positions in the whole training set.
     step: a custom local step (`LocalStep`) replacing plain SGD on the loss: Per-FedAvg's meta step,
     pFedMe's inner solve, APFL's three updates. It is called with `batches_per_step` consecutive
     mini-batches of the request's batch schedule (an incomplete last group is dropped). Custom
@@ -92,6 +95,7 @@ class Fit:
     context: dict[str, Any] = field(default_factory=dict)
     optimizer: str = "default"
     extra: Params = field(default_factory=dict)
+    samples: torch.Tensor | None = None
     step: LocalStep | None = None
     batches_per_step: int = 1
 
@@ -103,6 +107,10 @@ class Fit:
             raise ValueError(f"Fit.batches_per_step must be >= 1, got {self.batches_per_step}")
         if self.trainable not in ("all", "body", "head"):
             raise ValueError(f"Fit.trainable must be 'all', 'body' or 'head', got {self.trainable!r}")
+        if self.samples is not None:
+            self.samples = torch.as_tensor(self.samples, dtype=torch.int64)
+            if self.samples.dim() != 1 or (self.samples < 0).any():
+                raise ValueError("Fit.samples must be a 1-D tensor of non-negative positions in the training set")
         for name in ("epochs", "steps", "lr"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -189,6 +197,7 @@ class Setup:
     ops: Any  # pfedkit.engine.model_ops.ModelOps: functional forward for server-side math
     # Heterogeneous models (config `client_model_options`): client cid's ModelOps; None: all use `ops`.
     client_ops: tuple[Any, ...] | None = None
+    rounds: int = 0  # the run's number of rounds (FedPFA switches phase half way); 0: unknown
 
     def ops_for(self, cid: int) -> Any:
         """The ModelOps of client `cid`'s architecture (`ops`, the default one, unless models differ)."""
@@ -274,6 +283,9 @@ class Algorithm:
         return server
 
     def broadcast(self, rnd: int, server: Any, cids: list[int]) -> dict[int, Message]:
+        """What each participant downloads. A method whose server decisions depend on the round's
+        participants (FeSEM's E/M step) may update the server state (a dict) in place here: the
+        engine checkpoints the server state after the round."""
         return {cid: {} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:

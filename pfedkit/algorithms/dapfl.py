@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
 from pfedkit.algorithms.fedprox import proximal_loss
-from pfedkit.algorithms.params import Params, clone, flatten, weighted_mean
+from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
+from pfedkit.algorithms.params import Params, clone, flatten
 
 # The proximal weight λ: the paper gives no value. Picked from the sweep in benchmarks/RESULTS.md
 # ("DA-PFL lambda sweep": MNIST, 20 clients, Dirichlet 0.1): λ = 0.1 was best, λ = 1 cost ~2 points.
@@ -307,23 +308,22 @@ class DAPFL(Algorithm):
         models = [server["uploads"][cid] for cid in cids]
         distances = pairwise_squared_distances(models)
         sigma = resolve_sigma(self.h.sigma, distances)
-        n = self.setup.num_clients
-        weights = np.full((n, n), np.nan, dtype=np.float32)  # rows: receiving participant
+        rows: dict[int, dict[int, float]] = {}
         messages: dict[int, Message] = {}
         zero_rows = 0
         for pos, cid in enumerate(cids):
             others = [q for q in range(len(cids)) if q != pos]
-            weights[cid] = 0.0
             if not others:
+                rows[cid] = {}
                 messages[cid] = {}  # m = 1: w_i^g = w_i, which the client already holds
                 continue
             other_cids = [cids[q] for q in others]
             row = server["affinity"][cid, other_cids]
             zero_rows += int(row.sum() <= 0)
             alpha = aggregation_weights(row, distances[pos, others], sigma, self.h.eps, self.h.zero_affinity)
-            weights[cid, other_cids] = alpha
-            messages[cid] = {"params": weighted_mean([models[q] for q in others], alpha)}
-        self.record(rnd, "aggregation_weights", weights)
+            rows[cid] = dict(zip(other_cids, alpha.tolist()))
+            messages[cid] = {"params": mix([models[q] for q in others], alpha, "DA-PFL eq. 8")}
+        self.record(rnd, "aggregation_weights", mixing_matrix(self.setup.num_clients, rows))
         self.record(rnd, "sigma", sigma)
         self.record(rnd, "zero_affinity_rows", zero_rows)
         return messages
@@ -347,7 +347,7 @@ class DAPFL(Algorithm):
 
     @staticmethod
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap, heatmaps_side_by_side, lines
+        from pfedkit.report.plots import heatmap, lines
 
         out_dir = Path(out_dir)
         written: list[Path] = []
@@ -355,14 +355,8 @@ class DAPFL(Algorithm):
             matrix = next(iter(diagnostics["affinity"].values()))
             written.append(heatmap(matrix, out_dir / "dapfl_affinity.png", "DA-PFL affinity c (eq. 3-6)",
                                    "client j", "client i", colorbar="affinity", vmin=0, vmax=1))
-        weights = diagnostics.get("aggregation_weights") or {}
-        if weights:
-            rounds = chosen_rounds(sorted(weights))
-            written.append(heatmaps_side_by_side(
-                [np.nan_to_num(weights[r], nan=0.0) for r in rounds], [f"round {r}" for r in rounds],
-                out_dir / "dapfl_aggregation_weights.png",
-                "DA-PFL aggregation weights α (eq. 8); empty rows: not a participant",
-                "contributing client j", "participant i"))
+        written += report_mixing(diagnostics, "aggregation_weights", out_dir / "dapfl_aggregation_weights.png",
+                                 "DA-PFL aggregation weights α (eq. 8)")
         sigmas = diagnostics.get("sigma") or {}
         if len(sigmas) > 1:
             ordered = sorted(sigmas)
@@ -370,10 +364,3 @@ class DAPFL(Algorithm):
                                  "DA-PFL distance scale σ per round", "round", "σ"))
         return written
 
-
-def chosen_rounds(rounds: Sequence[int], count: int = 3) -> list[int]:
-    """First, middle and last recorded rounds (fewer if fewer were recorded)."""
-    if len(rounds) <= count:
-        return list(rounds)
-    picks = np.linspace(0, len(rounds) - 1, count).round().astype(int)
-    return [rounds[p] for p in sorted(set(picks.tolist()))]

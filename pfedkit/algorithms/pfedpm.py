@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
-from pfedkit.algorithms.prototypes import class_means
+from pfedkit.algorithms.prototypes import FeatureTable, class_means, message_to_table, table_to_message
 from pfedkit.algorithms.params import Params, clone
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, derive_seed, torch_generator
@@ -63,7 +63,6 @@ FEATURE_CHUNK = 512  # samples per forward when computing local features (memory
 UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
 
 # Features travel as {class label: tensor [d]}; a table is the dense form ([C, d] + mask [C]).
-FeatureTable = tuple[torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,21 +231,6 @@ def feature_distance(features: Mapping[int, torch.Tensor], reference: Mapping[in
 # Messages <-> dense tables
 
 
-def table_to_message(features: torch.Tensor, present: torch.Tensor) -> dict[int, torch.Tensor]:
-    """{class label: feature [d]} for the present classes (labels are the dict keys, not counted
-    as payload, like parameter names in a weight message)."""
-    return {int(label): features[label].clone() for label in present.nonzero().squeeze(1).tolist()}
-
-
-def message_to_table(features: Mapping[int, torch.Tensor], num_classes: int, feature_dim: int) -> FeatureTable:
-    table = torch.zeros(num_classes, feature_dim)
-    present = torch.zeros(num_classes, dtype=torch.bool)
-    for label, feature in features.items():
-        table[int(label)] = feature
-        present[int(label)] = True
-    return table, present
-
-
 # ---------------------------------------------------------------------------------------------
 # The algorithms
 
@@ -391,23 +375,30 @@ class PFedPM(Algorithm):
 
     @staticmethod
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap, lines
+        return report_feature_distance(diagnostics, out_dir, "pfedpm_feature_distance", "feature")
 
-        per_round = diagnostics.get("local_global_distance", {})
-        if not per_round:
-            return []
-        rounds = sorted(per_round)
-        matrix = np.stack([np.asarray(per_round[r], dtype=float) for r in rounds])  # [T, N]
-        written = [heatmap(matrix.T, Path(out_dir) / "pfedpm_feature_distance_clients.png",
-                           "||local - global feature||, mean over a client's classes",
-                           "round index (0 = first round)", "client", colorbar="L2 distance")]
-        with warnings.catch_warnings():  # rounds in which nobody uploaded are all-nan
-            warnings.simplefilter("ignore", category=RuntimeWarning)
-            series = {"mean over participants": np.nanmean(matrix, axis=1),
-                      "max": np.nanmax(matrix, axis=1), "min": np.nanmin(matrix, axis=1)}
-        written.append(lines(rounds, series, Path(out_dir) / "pfedpm_feature_distance.png",
-                             "distance between local and global features", "round", "L2 distance"))
-        return written
+
+def report_feature_distance(diagnostics: dict[str, dict[int, Any]], out_dir: Path, stem: str,
+                            what: str) -> list[Path]:
+    """Client x round heatmap and mean/max/min curves of the recorded "local_global_distance"
+    (||local - global `what`||, mean over a client's classes; NaN: the client did not upload)."""
+    from pfedkit.report.plots import heatmap, lines
+
+    per_round = diagnostics.get("local_global_distance", {})
+    if not per_round:
+        return []
+    rounds = sorted(per_round)
+    matrix = np.stack([np.asarray(per_round[r], dtype=float) for r in rounds])  # [T, N]
+    written = [heatmap(matrix.T, Path(out_dir) / f"{stem}_clients.png",
+                       f"||local - global {what}||, mean over a client's classes",
+                       "round index (0 = first round)", "client", colorbar="L2 distance")]
+    with warnings.catch_warnings():  # rounds in which nobody uploaded are all-nan
+        warnings.simplefilter("ignore", category=RuntimeWarning)
+        series = {"mean over participants": np.nanmean(matrix, axis=1),
+                  "max": np.nanmax(matrix, axis=1), "min": np.nanmin(matrix, axis=1)}
+    written.append(lines(rounds, series, Path(out_dir) / f"{stem}.png",
+                         f"distance between local and global {what}s", "round", "L2 distance"))
+    return written
 
 
 @register

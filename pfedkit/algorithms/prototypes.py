@@ -12,6 +12,25 @@ from pfedkit.algorithms.base import Forward, cross_entropy
 from pfedkit.algorithms.params import Params
 
 
+# (table [C, d], present [C] bool): one row per class, `present` marks the rows that hold a value.
+FeatureTable = tuple[torch.Tensor, torch.Tensor]
+
+
+def table_to_message(features: torch.Tensor, present: torch.Tensor) -> dict[int, torch.Tensor]:
+    """{class label: feature [d]} for the present classes (labels are the dict keys, not counted
+    as payload, like parameter names in a weight message)."""
+    return {int(label): features[label].clone() for label in present.nonzero().squeeze(1).tolist()}
+
+
+def message_to_table(features: Mapping[int, torch.Tensor], num_classes: int, feature_dim: int) -> FeatureTable:
+    table = torch.zeros(num_classes, feature_dim)
+    present = torch.zeros(num_classes, dtype=torch.bool)
+    for label, feature in features.items():
+        table[int(label)] = feature
+        present[int(label)] = True
+    return table, present
+
+
 def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """C_i^(c) = (1/n_{i,c}) sum_{y=c} f(x) for every class -> (means [C, d], counts [C] int64).
 

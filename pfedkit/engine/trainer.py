@@ -97,6 +97,16 @@ def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: tor
     return batches
 
 
+def request_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """The request's mini-batches as positions in the client's training set (of size n): over
+    `request.samples` when it names a subset, else over all n samples."""
+    if request.samples is None:
+        return batch_schedule(request, settings, n, generator)
+    if len(request.samples) and int(request.samples.max()) >= n:
+        raise IndexError(f"Fit.samples names position {int(request.samples.max())} of a training set of {n} samples")
+    return [request.samples[batch] for batch in batch_schedule(request, settings, len(request.samples), generator)]
+
+
 class LocalTrainer:
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings) -> None:
         self.model = build()
@@ -115,7 +125,7 @@ class LocalTrainer:
         # results do not depend on which clients a process trained before this one.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout")))
-            schedule = batch_schedule(request, s, len(y), generator)
+            schedule = request_schedule(request, s, len(y), generator)
             if request.step is not None:
                 return self._fit_custom(request, live, trainable, schedule, x, y)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),

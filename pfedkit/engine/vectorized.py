@@ -182,11 +182,12 @@ class VectorizedRuntime:
         if self.blocker:
             self._fallback(jobs, "model", self.blocker, outcomes)
             return outcomes
-        custom = [job for job in jobs if job.request.step is not None or job.request.extra]
+        custom = [job for job in jobs if _needs_trainer(job.request)]
         if custom:
-            self._fallback(custom, "custom-step", "they use a custom local step (Fit.step) or extra trained "
-                           "tensors (Fit.extra), which the batched trainer does not run", outcomes)
-        plain = [job for job in jobs if job.request.step is None and not job.request.extra]
+            self._fallback(custom, "custom-step", "they use a custom local step (Fit.step), extra trained "
+                           "tensors (Fit.extra) or a training subset (Fit.samples), which the batched "
+                           "trainer does not run", outcomes)
+        plain = [job for job in jobs if not _needs_trainer(job.request)]
         for group in self._groups(plain):
             try:
                 outcomes.update(self._fit_group(group))
@@ -432,6 +433,11 @@ class VectorizedRuntime:
 
     def close(self) -> None:
         self._device_data.clear()
+
+
+def _needs_trainer(request) -> bool:
+    """Requests only the sequential trainer runs: custom steps, extra tensors, training subsets."""
+    return request.step is not None or bool(request.extra) or request.samples is not None
 
 
 def _loss_name(loss: Callable) -> str:

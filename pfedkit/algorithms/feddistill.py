@@ -1,0 +1,208 @@
+"""FedDistill / FD (Jeong, Oh, Kim, Park, Bennis, Kim, *Communication-Efficient On-Device Machine
+Learning: Federated Distillation and Augmentation under Non-IID Private Data*, arXiv:1811.11479,
+NeurIPS 2018 workshop; PFLlib `FD`; spec baselines.md "FedDistill"). The augmentation part (FAug)
+is not used.
+
+No weights are shared. Round t:
+  1. The server sends the global per-label logit vectors z̄_c it has (none before round 1); with
+     `exclude_self` each client gets them without its own contribution, (sum - own) / (count - 1).
+  2. A participant trains its own model E epochs on CE(z, y) + lam * KL(softmax(z̄_y) || softmax(z))
+     (`distill_loss="kl"`) or + lam * CE with the raw z̄_y as soft targets (`"pfllib_ce"`); samples
+     whose label has no global vector contribute 0; the term is averaged over the whole batch.
+  3. It computes its per-label mean logits z̄_{i,c} over its training data (one eval-mode pass after
+     training) and uploads them for the classes it owns (the labels are the message's keys).
+  4. The server sets z̄_c = plain mean of this round's uploads of class c; a class nobody uploaded
+     this round keeps its previous vector.
+
+Client state: its own model. Evaluated: the client's model. Communication: up (#own classes) * C
+floats, down (#classes with a vector) * C floats (C * C once all exist). Server state: per class the
+sum and number of the vectors behind z̄_c; with `exclude_self` also every client's vectors that are
+part of those sums ([N, C, C] floats). Paper-vs-code table: docs/algorithms/feddistill.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
+                                     cross_entropy, register)
+from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.prototypes import class_means, message_to_table, table_to_message
+
+LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
+
+
+# ---------------------------------------------------------------------------------------------
+# The math (pure functions)
+
+
+def distillation_term(logits: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor,
+                      has_target: torch.Tensor, kind: str = "kl") -> torch.Tensor:
+    """(1/B) sum_{b: z̄_{y_b} exists} d(z̄_{y_b}, z_b) over the batch of B samples, with
+        "kl":        d = KL(softmax(z̄_y) || softmax(z)) = sum_k p_k (log p_k - log q_k)
+        "pfllib_ce": d = -sum_k z̄_{y,k} log softmax(z)_k  (raw logits as soft targets)
+    targets [C, C] (row c = z̄_c), has_target [C] bool. Masked sums only, so it runs under vmap."""
+    selected = has_target[labels].to(logits.dtype)  # [B]
+    teacher = targets[labels]  # [B, C]
+    log_q = F.log_softmax(logits, dim=1)
+    if kind == "kl":
+        log_p = F.log_softmax(teacher, dim=1)
+        per_sample = (log_p.exp() * (log_p - log_q)).sum(dim=1)
+    elif kind == "pfllib_ce":
+        per_sample = -(teacher * log_q).sum(dim=1)
+    else:
+        raise ValueError(f"distill_loss must be 'kl' or 'pfllib_ce', got {kind!r}")
+    return (selected * per_sample).sum() / logits.shape[0]
+
+
+def feddistill_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                    lam: float, kind: str = "kl") -> torch.Tensor:
+    """CE(z, y) + lam * `distillation_term`; context "targets" [C, C], "has_target" [C].
+    lam = 0 is exactly the cross-entropy (Local training)."""
+    loss = cross_entropy(out, y, params, context)
+    if lam == 0:
+        return loss
+    return loss + lam * distillation_term(out.logits, y, context["targets"], context["has_target"], kind)
+
+
+def round_sums(uploads: Sequence[Mapping[int, torch.Tensor]], num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class c: sum of the uploaded z̄_{i,c} (float64 [C, C]) and how many clients uploaded c [C]."""
+    sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+    for upload in uploads:
+        for label, vector in upload.items():
+            sums[int(label)] += vector.double()
+            counts[int(label)] += 1
+    return sums, counts
+
+
+def mean_table(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z̄_c = sums_c / counts_c (unweighted mean over the owners) -> ([C, C] float32, present [C])."""
+    present = counts > 0
+    return (sums / counts.clamp(min=1).unsqueeze(1).double()).float() * present.unsqueeze(1), present
+
+
+def without_own(sums: torch.Tensor, counts: torch.Tensor, own: torch.Tensor,
+                own_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The original FD's download for one client: z̄_c^{-i} = (sum_c - z̄_{i,c}) / (count_c - 1) where
+    client i is among class c's owners, sums_c / count_c elsewhere; a class whose only owner is i
+    has no vector for it. own [C, C], own_mask [C] bool."""
+    mine = own_mask.to(torch.int64)
+    return mean_table(sums - own.double() * own_mask.unsqueeze(1), counts - mine)
+
+
+# ---------------------------------------------------------------------------------------------
+# The algorithm
+
+
+@register
+class FedDistill(Algorithm):
+    name = "feddistill"
+    description = "FedDistill (FD): clients share per-label mean logits and distil them into their own models"
+    supports_heterogeneous_models = True  # only C-dimensional logit vectors travel
+
+    class Hyper(BaseModel):
+        """FedDistill hyperparameters (baselines.md "FedDistill").
+
+        lam: weight of the distillation term, 1.0 [code: PFLlib; spec].
+        distill_loss: "kl" = KL(softmax(z̄_y) || softmax(z)) [ours, spec]; "pfllib_ce" = cross-entropy
+           with the raw global logits z̄_y as soft targets [code: PFLlib].
+        exclude_self: False = every client receives the plain mean over all owners [code: PFLlib];
+           True = the mean over the OTHER owners of each class [paper].
+        """
+        model_config = ConfigDict(extra="forbid")
+        lam: float = Field(1.0, ge=0, description="weight of the distillation term")
+        distill_loss: Literal["kl", "pfllib_ce"] = Field(
+            "kl", description="KL to softmax(global logits) or PFLlib's CE with the raw global logits as targets")
+        exclude_self: bool = Field(False, description="send each client the mean over the other owners of a class")
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def init_server(self, params: Params) -> dict[str, torch.Tensor]:
+        """Per class: sum and number of the vectors behind z̄_c (0: no vector yet); with
+        `exclude_self` also each client's vectors inside those sums."""
+        c, n = self.setup.num_classes, self.setup.num_clients
+        server = {"sums": torch.zeros(c, c, dtype=torch.float64), "counts": torch.zeros(c, dtype=torch.int64)}
+        if self.h.exclude_self:
+            server.update({"own": torch.zeros(n, c, c), "own_mask": torch.zeros(n, c, dtype=torch.bool)})
+        return server
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        return {"params": clone(params)}
+
+    # -- round ---------------------------------------------------------------------------------
+
+    def global_table(self, server: dict, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What client `cid` receives as ([C, C], present [C])."""
+        if self.h.exclude_self:
+            return without_own(server["sums"], server["counts"], server["own"][cid], server["own_mask"][cid])
+        return mean_table(server["sums"], server["counts"])
+
+    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
+        return {cid: {"logits": table_to_message(*self.global_table(server, cid))} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        c = self.setup.num_classes
+        targets, has_target = message_to_table(message.get("logits", {}), c, c)
+        params = yield Fit(client["params"], loss=partial(feddistill_loss, lam=self.h.lam, kind=self.h.distill_loss),
+                           context={"targets": targets, "has_target": has_target})
+        means, counts = self.mean_logits(params, data)
+        return {"params": params}, {"logits": table_to_message(means, counts > 0)}
+
+    def mean_logits(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
+        """z̄_{i,c} = mean of the model's logits over the client's class-c training samples (one
+        eval-mode pass, the client's BatchNorm statistics) -> ([C, C], counts [C])."""
+        c = self.setup.num_classes
+        if not data.n_train:
+            return torch.zeros(c, c), torch.zeros(c, dtype=torch.int64)
+        logits = self.setup.ops_for(data.cid).logits(params, data.x_train, data.buffers, chunk=LOGIT_CHUNK)
+        return class_means(logits.float(), data.y_train, c)
+
+    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, torch.Tensor]:
+        """z̄_c from this round's uploads for every class uploaded; the others keep theirs."""
+        if not replies:
+            return server
+        ordered = sorted(replies)
+        sums, counts = round_sums([replies[cid]["logits"] for cid in ordered], self.setup.num_classes)
+        updated = counts > 0
+        server = {name: value.clone() for name, value in server.items()}
+        server["sums"][updated] = sums[updated]
+        server["counts"][updated] = counts[updated]
+        if self.h.exclude_self:
+            server["own_mask"][:, updated] = False
+            for cid in ordered:
+                for label, vector in replies[cid]["logits"].items():
+                    server["own"][cid, int(label)] = vector
+                    server["own_mask"][cid, int(label)] = True
+        table, present = mean_table(server["sums"], server["counts"])
+        self.record(rnd, "global_logits", torch.where(present.unsqueeze(1), table, torch.nan).numpy())
+        return server
+
+    def client_model(self, cid: int, server: dict, client: dict) -> Params:
+        return client["params"]
+
+    # -- report --------------------------------------------------------------------------------
+
+    @staticmethod
+    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
+        """softmax(z̄_c) per class (rows) after the first and the last round."""
+        from pfedkit.report.plots import heatmaps_side_by_side
+
+        per_round = diagnostics.get("global_logits", {})
+        if not per_round:
+            return []
+        first, last = min(per_round), max(per_round)
+        probabilities = [torch.softmax(torch.as_tensor(per_round[r], dtype=torch.float64), dim=1).numpy()
+                         for r in (first, last)]  # rows without a vector stay NaN
+        return [heatmaps_side_by_side([np.nan_to_num(p) for p in probabilities],
+                                      [f"round {first}", f"round {last}"],
+                                      Path(out_dir) / "feddistill_global_soft_labels.png",
+                                      "softmax of the global mean logits (0: no vector)", "predicted class",
+                                      "label")]

@@ -1,0 +1,113 @@
+"""FedProto (Tan, Long, Liu, Zhou, Lu, Jiang, Zhang, *FedProto: Federated Prototype Learning across
+Heterogeneous Clients*, AAAI 2022; spec baselines.md "FedProto").
+
+FedProto is pFedPM (`pfedpm.py`) with the mixing weight a = 0 and no relation head: the subclass
+below reuses pFedPM's math (eq. 6 class means, eq. 7 global features, the feature messages) and the
+shared `prototypes.alignment_loss` (FedProto's per-sample MSE), and changes only what differs.
+
+Round t:
+  1. The server sends every global prototype it has, C̄_c (none before round 1).
+  2. A participant trains its own model E epochs on CE + lam * MSE(f(x), C̄_y) (mean over the batch
+     and the d dimensions); samples of a class without a global prototype contribute 0 (so round 1
+     is plain cross-entropy).
+  3. It uploads, per class it owns, the mean body output over its training samples of that class
+     (one eval-mode pass after training) and the class's sample count.
+  4. The server averages the uploads per class (`global_feature_weighting`); classes nobody uploaded
+     this round keep their previous prototype. No model is aggregated.
+
+Client state: its own model (never uploaded). Evaluated: the client's model, predicting by the
+nearest global prototype, argmin_c ||f(x) - C̄_c||_2 (`prediction="prototype"`, the paper and PFLlib)
+or with its own head (`prediction="head"`). Communication: up (#own classes) * d floats + one
+count per class; down (#classes with a global prototype) * d floats (C * d once all exist).
+Paper-vs-code table: docs/algorithms/fedproto.md.
+"""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pfedkit.algorithms.base import ClientData, ClientUpdate, Fit, Message, register
+from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.pfedpm import PFedPM, pfedpm_loss, report_feature_distance
+from pfedkit.algorithms.prototypes import alignment_loss, message_to_table
+
+NO_PROTOTYPE = float("-inf")  # "logit" of a class without a global prototype: never predicted
+
+
+def prototype_logits(features: torch.Tensor, prototypes: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """Nearest-prototype scores: logits[b, c] = -||f(x_b) - C̄_c||_2 for classes with a global
+    prototype, NO_PROTOTYPE (-inf) for the others, so argmax = argmin_c ||f(x_b) - C̄_c||."""
+    distances = torch.cdist(features.float(), prototypes.float(), compute_mode="donot_use_mm_for_euclid_dist")
+    return torch.where(present.unsqueeze(0), -distances, torch.full_like(distances, NO_PROTOTYPE))
+
+
+@register
+class FedProto(PFedPM):
+    name = "fedproto"
+    description = "FedProto: clients share class prototypes (mean features), predict by the nearest global prototype"
+
+    class Hyper(BaseModel):
+        """FedProto hyperparameters (baselines.md "FedProto").
+
+        lam: weight of the prototype regulariser, 1.0 (FedProto MNIST/FEMNIST, FedReMa, PFLlib);
+           the paper uses 0.1 on CIFAR-10 [paper].
+        global_feature_weighting: how the server averages the clients' prototypes of a class:
+           "uniform" = plain mean over the uploading clients [code: FedProto, PFLlib] (default: the
+           reported results and lam values come from that code); "count" = weighted by n_{i,c}
+           (the paper's formula normalised to sum to one, pFedPM's default) [ours]; "printed" = the
+           paper's formula as printed (count-weighted mean shrunk by 1/|N_c|) [paper].
+        regulariser: "sample_mse" = mean over the batch's B samples and d dimensions of
+           (f(x_b) - C̄_{y_b})^2, a sample whose class has no global prototype contributing 0 but
+           counting in B (`prototypes.alignment_loss`) [code: FedProto]; "class_distance" = sum
+           over the batch's classes of ||batch class mean - C̄_c||^2 (the paper's L_R between
+           local and global prototypes) [paper].
+        prediction: "prototype" = nearest global prototype [paper, code: PFLlib]; "head" = the
+           client's own classifier head.
+        The mixing weight is fixed at a = 0 (the target is the global prototype), not an option.
+        """
+        model_config = ConfigDict(extra="forbid")
+        lam: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
+        global_feature_weighting: Literal["uniform", "count", "printed"] = Field(
+            "uniform", description="server average of a class's prototypes: plain mean over uploaders "
+            "(FedProto code, PFLlib), weighted by class counts, or the paper's printed formula")
+        regulariser: Literal["sample_mse", "class_distance"] = Field(
+            "sample_mse", description="per-sample MSE to the global prototype (code) or squared distance "
+            "of the batch class means to it (paper's L_R)")
+        prediction: Literal["prototype", "head"] = Field(
+            "prototype", description="predict by the nearest global prototype, or with the model's head")
+
+    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
+        """Only the client's own model: with a = 0 its previous prototypes are never used."""
+        return {"params": clone(params)}
+
+    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+        """Train on CE + lam * R against the received global prototypes (a = 0: every class with a
+        global prototype is regularised, also on a client's first participation), then upload
+        the class means of the trained body's outputs and the counts."""
+        prototypes, present = message_to_table(message.get("features", {}), self.setup.num_classes, self.feature_dim)
+        if self.h.regulariser == "sample_mse":
+            request = Fit(client["params"], loss=partial(alignment_loss, lambda_f=self.h.lam),
+                          context={"prototypes": torch.where(present.unsqueeze(1), prototypes, torch.nan)})
+        else:
+            request = Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam, regulariser=self.h.regulariser),
+                          context={"mixed": prototypes, "has_mixed": present})
+        params = yield request
+        _, means, counts = self.local_features(params, data)
+        return {"params": params}, self.upload(means, counts)
+
+    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """Nearest global prototype (server state after the round's aggregation); the model's head
+        with `prediction="head"` or while no global prototype exists yet."""
+        if self.h.prediction == "head" or not bool(server["present"].any()):
+            return self.setup.ops_for(cid).head_logits(client["params"], features)
+        return prototype_logits(features, server["features"], server["present"])
+
+    @staticmethod
+    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
+        """Distance between each client's uploaded prototypes and the new global ones, per round."""
+        return report_feature_distance(diagnostics, out_dir, "fedproto_prototype_distance", "prototype")
