@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.fedprox import proximal_loss
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.params import Params, clone, squared_distance_f64
 from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
 
 
@@ -33,7 +33,7 @@ def squared_distances_to(models: Sequence[Params], i: int) -> np.ndarray:
     distances = np.zeros(len(models))
     for j, model in enumerate(models):
         if j != i and model is not anchor:
-            distances[j] = float(sum(((model[n].double() - anchor[n].double()) ** 2).sum() for n in anchor))
+            distances[j] = squared_distance_f64(anchor, model)
     return distances
 
 

@@ -31,15 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms import clusters
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.params import Params, clone, squared_distance_f64
 from pfedkit.config import ConfigError
 from pfedkit.engine.seeds import SERVER, numpy_rng
 
 
 def squared_distances(model: Params, centres: list[Params]) -> list[float]:
     """[||w - W_k||^2 for each centre k], summed over all entries, in float64."""
-    return [float(sum(((model[name].double() - centre[name].double()) ** 2).sum() for name in model))
-            for centre in centres]
+    return [squared_distance_f64(model, centre) for centre in centres]
 
 
 def e_step(models: dict[int, Params], centres: list[Params]) -> dict[int, int]:

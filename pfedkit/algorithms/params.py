@@ -81,6 +81,12 @@ def squared_distance(a: Params, b: Params) -> torch.Tensor:
     return sum(((a[name] - b[name]) ** 2).sum() for name in b)
 
 
+def squared_distance_f64(a: Params, b: Params) -> float:
+    """sum over the entries of `a` of ||a - b||^2, accumulated in float64 (for server-side
+    decisions on model distances: FedAMP's attention, FeSEM's E-step)."""
+    return float(sum(((a[name].double() - b[name].double()) ** 2).sum() for name in a))
+
+
 def flatten(params: Params) -> torch.Tensor:
     """One 1-D vector of all entries, in the dictionary's order."""
     return torch.cat([value.reshape(-1) for value in params.values()])
