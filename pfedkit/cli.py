@@ -1,10 +1,11 @@
-"""Command line: `pfedkit run | compare | list | data stats` (see README).
+"""Command line: `pfedkit run | compare | reproduce | report | list | bench | data stats` (see README).
 
 Configuration errors end with one line on stderr naming the key and exit status 2.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 import sys
 from pathlib import Path
@@ -58,19 +59,55 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`0,1,2` or `0-4` -> seeds; ConfigError for anything else."""
+    try:
+        if "-" in text.strip().lstrip("-"):
+            first, last = (int(part) for part in text.split("-", 1))
+            seeds = list(range(first, last + 1))
+        else:
+            seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text}: expected distinct integers like 0,1,2 or a range like 0-4")
+    return seeds
+
+
 def cmd_compare(ns: argparse.Namespace) -> int:
+    from datetime import datetime
+
     from pfedkit.config import load_config
-    from pfedkit.runs import run
+    from pfedkit.experiments.comparison import Entry, markdown_table, run_comparison, write_seed_table
 
     source, overrides = split_config_and_overrides(ns.items)
     names = [a.strip() for a in ns.algorithms.split(",") if a.strip()]
-    configs = [load_config(source, overrides + [f"algorithm={name}"]) for name in names]  # validate all first
-    summaries = []
-    for config in configs:
-        result = run(config, quiet=ns.quiet)
-        summaries.append(result.summary)
-        print(f"{config.algorithm}: {result.run_dir}", file=sys.stderr)
-    print(results_table(summaries))
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--algorithms {ns.algorithms}: a name appears twice")
+    base = load_config(source, overrides)
+    entries = [Entry(name, load_config(source, overrides + [f"algorithm={name}"]).to_dict()) for name in names]
+    out = Path(ns.out) if ns.out else Path(base.out_dir) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+    records = run_comparison(out, entries, parse_seeds(ns.seeds), quiet=ns.quiet, extra={"kind": "compare"})
+    table = write_seed_table(out, records)
+    print(markdown_table(table, COMPACT))
+    print(f"comparison directory: {out} (table.md, table.csv; the same command with --out {out} resumes)")
+    return 0
+
+
+COMPACT = ("best", "last5", "best_unweighted", "last5_unweighted", "worst_client", "MB_per_round", "s_per_round")
+
+
+def cmd_reproduce(ns: argparse.Namespace) -> int:
+    from pfedkit.experiments.paper_presets import load_paper
+    from pfedkit.experiments.reproduce import list_paper, reproduce
+
+    if ns.list:
+        print(list_paper(load_paper(ns.paper)))
+        return 0
+    tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
+    for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet):
+        print((out_dir / "paper.md").read_text())
+        print(f"directory: {out_dir} (paper.md/.csv beside the paper; table.md/.csv every number)")
     return 0
 
 
@@ -137,15 +174,39 @@ def cmd_data_stats(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
+    from pfedkit.config import parse_overrides
+    from pfedkit.report.comparison_report import is_comparison, report_comparison
     from pfedkit.report.run_report import report_run
 
+    options = parse_overrides(ns.options)
+    unknown = set(options) - {"tensorboard"}
+    if unknown:
+        raise ConfigError(f"report: unknown option {', '.join(sorted(unknown))}; allowed: tensorboard=true")
+    target = Path(ns.run_dir)
     try:
-        written = report_run(ns.run_dir)
+        written = report_comparison(target) if is_comparison(target) else report_run(target)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
+    if options.get("tensorboard"):
+        written += tensorboard_events(target)
     for path in written:
         print(path)
     return 0
+
+
+def tensorboard_events(target: Path) -> list[Path]:
+    import json
+
+    from pfedkit.experiments.comparison import MANIFEST
+    from pfedkit.report.tensorboard import write_events
+
+    if (target / MANIFEST).is_file():
+        manifest = json.loads((target / MANIFEST).read_text())
+        runs = {Path(p).name: target / p for entry in manifest["entries"] for p in entry["runs"].values()
+                if (target / p / "metrics.csv").is_file()}
+    else:
+        runs = {target.name: target}
+    return write_events(runs, target / "report" / "tensorboard")
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -165,18 +226,33 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_run.set_defaults(func=cmd_run)
 
-    p_cmp = sub.add_parser("compare", help="run several algorithms on the same partition and seed")
+    p_cmp = sub.add_parser("compare", help="several algorithms on the same partitions, over seeds: mean ± std")
     p_cmp.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     p_cmp.add_argument("--algorithms", default="local,fedavg,fedprox", help="comma-separated names")
+    p_cmp.add_argument("--seeds", default="0", help="0,1,2 or 0-4 (default 0)")
+    p_cmp.add_argument("--out", help="comparison directory (default OUT_DIR/compare-TIMESTAMP); "
+                       "an existing one resumes")
     p_cmp.add_argument("-q", "--quiet", action="store_true")
     p_cmp.set_defaults(func=cmd_compare)
+
+    p_rep = sub.add_parser("reproduce", help="a paper's table at a budget, our mean ± std beside the paper's numbers")
+    p_rep.add_argument("paper", help="fedrema, pfedpm, cwfedavg, pfedcs or dapfl")
+    p_rep.add_argument("overrides", nargs="*", help="key=value applied last (e.g. data_dir=..., backend=sequential)")
+    p_rep.add_argument("--table", help="table id(s), comma-separated (default: all; see --list)")
+    p_rep.add_argument("--budget", default="cpu", choices=["smoke", "cpu", "paper"],
+                       help="smoke: ~1 minute; cpu: <= 1 hour per table on 2 cores; paper: the full setting")
+    p_rep.add_argument("--list", action="store_true", help="the paper's tables, rows and budgets")
+    p_rep.add_argument("--out", help="directory (default OUT_DIR/reproduce/PAPER-TABLE-BUDGET: reruns resume)")
+    p_rep.add_argument("-q", "--quiet", action="store_true")
+    p_rep.set_defaults(func=cmd_reproduce)
 
     p_list = sub.add_parser("list", help="registered algorithms, datasets, partitions and models")
     p_list.add_argument("algorithm", nargs="?", help="show this algorithm's options with their descriptions")
     p_list.set_defaults(func=cmd_list)
 
-    p_report = sub.add_parser("report", help="plots of a run: accuracy curves and the algorithm's diagnostics")
-    p_report.add_argument("run_dir", help="a run directory")
+    p_report = sub.add_parser("report", help="an HTML page (report/index.html) for a run or a comparison")
+    p_report.add_argument("run_dir", help="a run, comparison or reproduce directory")
+    p_report.add_argument("options", nargs="*", help="tensorboard=true: also write TensorBoard event files")
     p_report.set_defaults(func=cmd_report)
 
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
@@ -207,14 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     ns, leftovers = parser.parse_known_args(argv)
     if leftovers:
         unknown_options = [item for item in leftovers if item.startswith("-")]
-        if unknown_options or not hasattr(ns, "items"):
+        positional = "items" if hasattr(ns, "items") else "overrides" if hasattr(ns, "overrides") else None
+        if unknown_options or positional is None:
             parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
-        ns.items = list(ns.items) + leftovers
+        setattr(ns, positional, list(getattr(ns, positional)) + leftovers)
     try:
         return ns.func(ns)
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("interrupted: resume with `pfedkit run --resume RUN_DIR` (the run directory printed above)",
               file=sys.stderr)

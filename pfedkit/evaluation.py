@@ -71,6 +71,17 @@ def evaluate_logits_fn(logits_fn, x: torch.Tensor, y: torch.Tensor, num_classes:
     return ClientEval(correct, len(y), loss_sum, class_correct.numpy(), class_total)
 
 
+def classifier_row_norms(params: dict[str, torch.Tensor], num_classes: int) -> np.ndarray:
+    """L2 norm of each class's row of the output layer (the last 2-d `head.` weight with one row
+    per class): cwFedAvg Fig. 3/6 reads a client's class distribution from them. nan if none."""
+    rows = [value for name, value in params.items()
+            if name.startswith("head.") and name.endswith("weight") and value.dim() == 2
+            and value.shape[0] == num_classes]
+    if not rows:
+        return np.full(num_classes, np.nan)
+    return rows[-1].detach().float().norm(dim=1).cpu().numpy()
+
+
 def round_table(metrics: pd.DataFrame) -> pd.DataFrame:
     """One row per evaluated round: weighted and unweighted mean accuracy, std, worst client."""
     evaluated = metrics.dropna(subset=["accuracy"])

@@ -240,4 +240,15 @@ def finish_summary(run_dir: Path, state: SimState, config: Config, data: Federat
                     "sec_per_round": round(state.seconds / max(1, state.round), 4),
                     "run_dir": str(run_dir)})
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    write_client_tables(run_dir, state, data)
     return summary
+
+
+def write_client_tables(run_dir: Path, state: SimState, data: FederatedData) -> None:
+    """clients.npz: per client x class, the data (train/test counts) and, at the last evaluation,
+    the correct counts and the output layer's row norms: what `pfedkit report` draws as heatmaps."""
+    arrays = {"train_counts": data.train_counts(), "test_counts": data.test_counts()}
+    for name in ("class_correct", "class_total", "head_row_norms"):
+        if getattr(state, name, None) is not None:
+            arrays[name] = getattr(state, name)
+    atomic_savez(run_dir / "clients.npz", **arrays)

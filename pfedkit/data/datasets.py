@@ -79,8 +79,15 @@ def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None =
     if root is None:
         raise DataError(f"dataset {name!r} needs a data directory: set data_dir=PATH or the "
                         f"PFEDKIT_DATA environment variable to a folder holding {name}/{name}.npz.xz")
-    x, y, test = _read_npz(root, name, _cache_root(cache_dir))
-    return Dataset(name, _normalise_images(x), y.astype(np.int64), test.astype(bool), info.num_classes)
+    key = (name, str(root.resolve()), str(_cache_root(cache_dir)))
+    if key not in _LOADED:  # runs of a comparison in one process decode and normalise once
+        x, y, test = _read_npz(root, name, _cache_root(cache_dir))
+        _LOADED.clear()  # one dataset held at a time: CIFAR-10 as float32 is ~0.7 GB
+        _LOADED[key] = Dataset(name, _normalise_images(x), y.astype(np.int64), test.astype(bool), info.num_classes)
+    return _LOADED[key]
+
+
+_LOADED: dict[tuple[str, str, str], Dataset] = {}  # callers must not modify a Dataset's arrays
 
 
 def _load_digits() -> Dataset:

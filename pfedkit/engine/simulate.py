@@ -18,6 +18,7 @@ from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
+from pfedkit.evaluation import classifier_row_norms
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SimState:
     seconds: float = 0.0
     class_correct: np.ndarray | None = None
     class_total: np.ndarray | None = None
+    head_row_norms: np.ndarray | None = None  # [N, C] at the last evaluation (nan: no Linear head)
     diagnostics: dict[str, dict[int, Any]] = field(default_factory=dict)  # what algorithms recorded
     # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
     # client-side memory, checkpointed, never sent.
@@ -182,6 +184,8 @@ class Simulation:
         evals = self.runtime.evaluate_many(items)
         state.class_correct = np.stack([evals[c].class_correct for c in range(len(items))])
         state.class_total = np.stack([evals[c].class_total for c in range(len(items))])
+        state.head_row_norms = np.stack([classifier_row_norms(models[c][0], self.data.num_classes)
+                                         for c in range(len(items))])
         return evals
 
     def _adapted(self, rnd: int, state: SimState, models: dict[int, tuple]) -> dict[int, tuple]:

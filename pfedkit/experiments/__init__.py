@@ -1,0 +1,1 @@
+"""Experiments over many runs: seeded comparisons and the papers' tables beside the papers' numbers."""

@@ -1,0 +1,213 @@
+"""A comparison: several configurations ("entries") x several seeds, in one directory that resumes.
+
+Layout of a comparison directory:
+    comparison.json   the manifest: entries (label, group, algorithm, run directory per seed), seeds
+    runs/<label>-s<seed>/   one ordinary run directory per (entry, seed) (see pfedkit.runs)
+    table.csv, table.md     mean ± std over seeds of every summary number (written by the caller)
+Every entry runs on the same partition and client-sampling stream for a given seed, because both
+derive from the seed alone. Running the same request again reuses finished runs, resumes a half
+run from its checkpoint, and refuses a directory whose runs were made with other settings.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from pfedkit.atomic import atomic_write_text
+from pfedkit.config import Config, ConfigError, load_config
+
+MANIFEST = "comparison.json"
+# Keys that say where or how fast a run executes, not what it computes (runs are identical across
+# backends and worker counts): a resumed comparison may change them.
+EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration of a comparison; `group` is a table column (reproduce) or ""."""
+    label: str
+    config: dict[str, Any]
+    group: str = ""
+
+
+@dataclass
+class RunRecord:
+    entry: Entry
+    seed: int
+    run_dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
+
+
+def identity(config: Config) -> dict[str, Any]:
+    """What a run computes: its resolved config without the execution keys."""
+    data = config.to_dict()
+    for key in EXECUTION_KEYS:
+        data.pop(key, None)
+    return data
+
+
+def plan_runs(out_dir: Path, entries: list[Entry], seeds: list[int]) -> list[tuple[RunRecord, Config]]:
+    """Validate every (entry, seed) config up front; entries with the same config share runs."""
+    planned, by_identity = [], {}
+    for entry in entries:
+        for seed in seeds:
+            config = load_config(entry.config, {"seed": seed, "out_dir": str(out_dir / "runs"),
+                                                "name": f"{slug(entry.group + '-' + entry.label if entry.group else entry.label)}-s{seed}"})
+            key = json.dumps(identity(config), sort_keys=True)
+            if key in by_identity:  # e.g. a "best" and a "final" row of the same run
+                config = by_identity[key]
+            by_identity.setdefault(key, config)
+            planned.append((RunRecord(entry, seed, out_dir / "runs" / config.name), config))
+    return planned
+
+
+def write_manifest(out_dir: Path, records: list[RunRecord], seeds: list[int], extra: dict[str, Any]) -> None:
+    entries = []
+    for record in records:
+        if not entries or (entries[-1]["label"], entries[-1]["group"]) != (record.entry.label, record.entry.group):
+            entries.append({"label": record.entry.label, "group": record.entry.group,
+                            "algorithm": record.entry.config.get("algorithm"), "runs": {}})
+        entries[-1]["runs"][str(record.seed)] = str(record.run_dir.relative_to(out_dir))
+    manifest = {"seeds": seeds, "entries": entries, **extra}
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], *, quiet: bool = True,
+                   extra: dict[str, Any] | None = None,
+                   log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+                   after_each: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
+    """Run (or reuse, or resume) every entry for every seed; returns one record per (entry, seed).
+    `after_each(finished records)` is called after every run: tables that grow as runs finish."""
+    if not entries or not seeds:
+        raise ConfigError("a comparison needs at least one entry and one seed")
+    out_dir = Path(out_dir)
+    planned = plan_runs(out_dir, entries, seeds)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_manifest(out_dir, [record for record, _ in planned], seeds, extra or {})
+    done: dict[Path, dict[str, Any]] = {}
+    for number, (record, config) in enumerate(planned, 1):
+        if record.run_dir not in done:
+            done[record.run_dir], how = _run_once(record.run_dir, config, quiet)
+            log(f"[{number}/{len(planned)}] {record.entry.group + ' ' if record.entry.group else ''}"
+                f"{record.entry.label} seed {record.seed}: {how} ({record.run_dir})")
+        record.summary = done[record.run_dir]
+        if after_each is not None:
+            after_each([r for r, _ in planned if r.summary])
+    return [record for record, _ in planned]
+
+
+def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any], str]:
+    """A finished run's summary (reused), a half run resumed, or a new run."""
+    from pfedkit.runs import CHECKPOINT, run
+
+    if (run_dir / "config.yaml").is_file():
+        stored = load_config(run_dir / "config.yaml")
+        if identity(stored) != identity(config):
+            raise ConfigError(f"{run_dir} was made with other settings; use another --out directory "
+                              "or delete that run")
+        if (run_dir / "summary.json").is_file():
+            return json.loads((run_dir / "summary.json").read_text()), "reused"
+        summary, how = run(resume=run_dir, quiet=quiet).summary, "resumed"
+    else:
+        if run_dir.exists():  # killed before its config was written: nothing in it to keep
+            shutil.rmtree(run_dir)
+        summary, how = run(config, quiet=quiet).summary, "ran"
+    # A finished run is never resumed; its checkpoint (every client's model: ~1 GB for 20
+    # ResNet-18s) would only fill the disk over a table's dozens of runs.
+    (run_dir / CHECKPOINT).unlink(missing_ok=True)
+    return summary, how
+
+
+# ---- mean ± std over seeds -------------------------------------------------------------------
+
+SUMMARY_COLUMNS = {  # table column -> how to read it from summary.json
+    "best": lambda s: s.get("best_acc"),
+    "last5": lambda s: s.get("last5_acc"),
+    "best_unweighted": lambda s: s.get("best_acc_unweighted"),
+    "last5_unweighted": lambda s: s.get("last5_acc_unweighted"),
+    "last10_unweighted": lambda s: s.get("last10_acc_unweighted"),
+    "worst_client": lambda s: s.get("final_acc_worst"),
+    "many": lambda s: (s.get("final_group_acc") or {}).get("many"),
+    "medium": lambda s: (s.get("final_group_acc") or {}).get("medium"),
+    "few": lambda s: (s.get("final_group_acc") or {}).get("few"),
+    "MB_per_round": lambda s: (s["bytes_up"] + s["bytes_down"]) / 1e6 / max(1, s["rounds_done"]),
+    "s_per_round": lambda s: s.get("sec_per_round"),
+}
+PERCENT_COLUMNS = ("best", "last5", "best_unweighted", "last5_unweighted", "last10_unweighted", "worst_client",
+                   "many", "medium", "few")
+
+
+def seed_values(records: list[RunRecord], read: Callable[[dict], Any]) -> dict[tuple[str, str], list[float]]:
+    """Per (group, label), the value `read` from each seed's summary (None -> nan), in record order."""
+    values: dict[tuple[str, str], list[float]] = {}
+    for record in records:
+        value = read(record.summary)
+        values.setdefault((record.entry.group, record.entry.label), []).append(
+            float("nan") if value is None else float(value))
+    return values
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std (ddof=0, numpy's and PFLlib's) over seeds, ignoring missing values."""
+    array = np.asarray(values, dtype=float)
+    array = array[~np.isnan(array)]
+    if not len(array):
+        return float("nan"), float("nan")
+    return float(array.mean()), float(array.std())
+
+
+def seed_table(records: list[RunRecord]) -> pd.DataFrame:
+    """One row per entry: `<column>_mean` and `<column>_std` for every SUMMARY_COLUMNS column."""
+    table = pd.DataFrame(index=pd.MultiIndex.from_tuples(
+        list(dict.fromkeys((r.entry.group, r.entry.label) for r in records)), names=["group", "label"]))
+    table["seeds"] = [len(v) for v in seed_values(records, lambda s: 0).values()]
+    for column, read in SUMMARY_COLUMNS.items():
+        stats = {key: mean_std(values) for key, values in seed_values(records, read).items()}
+        table[f"{column}_mean"] = [stats[key][0] for key in table.index]
+        table[f"{column}_std"] = [stats[key][1] for key in table.index]
+    return table
+
+
+def format_cell(mean: float, std: float, percent: bool) -> str:
+    if np.isnan(mean):
+        return "-"
+    scale, digits = (100, 2) if percent else (1, 3)
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+def markdown_table(table: pd.DataFrame, columns: tuple[str, ...] = tuple(SUMMARY_COLUMNS)) -> str:
+    """The seed table as Markdown: percent columns as mean ± std in %, the others in their unit."""
+    groups = table.index.get_level_values("group")
+    first = ["method"] if not any(groups) else ["setting", "method"]
+    header = first + ["seeds"] + list(columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (group, label), row in table.iterrows():
+        cells = ([label] if not any(groups) else [group, label]) + [str(int(row["seeds"]))]
+        cells += [format_cell(row[f"{c}_mean"], row[f"{c}_std"], c in PERCENT_COLUMNS) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+TABLE_NOTE = ("mean ± std over seeds (population std, ddof=0); accuracies in %: best = best round "
+              "(chosen on test data, optimistic), last5 = mean of the last 5 evaluated rounds, weighted by "
+              "test samples unless _unweighted; worst_client, many/medium/few: last evaluated round; "
+              "MB_per_round: bytes up + down of all clients; s_per_round: wall time.")
+
+
+def write_seed_table(out_dir: Path, records: list[RunRecord]) -> pd.DataFrame:
+    table = seed_table(records)
+    atomic_write_text(out_dir / "table.csv", table.to_csv())
+    atomic_write_text(out_dir / "table.md", markdown_table(table) + "\n\n" + TABLE_NOTE + "\n")
+    return table

@@ -1,0 +1,214 @@
+"""The papers' tables as data: settings (presets), budgets, and the papers' own numbers.
+
+One YAML file per paper in `pfedkit/experiments/papers/` (format: docs/results.md, "Paper preset
+files"). A table is a grid: columns are settings (config overrides such as a dataset or a
+partition's alpha), rows are methods (an algorithm with options, or `algorithm: null` when pfedkit
+does not implement it yet), and each cell holds the paper's number for that method in that
+setting. A cell's configuration is, lowest precedence first: the paper's `base`, its `baselines`
+sections, the table's `config`, the column's, the row's, then the chosen budget's overrides.
+"""
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pfedkit.config import ConfigError, deep_merge
+
+BUDGETS = ("smoke", "cpu", "paper")
+PAPERS = ("fedrema", "pfedpm", "cwfedavg", "pfedcs", "dapfl")
+# summary.json keys a table may compare with the paper's numbers
+METRICS = ("best_acc", "last5_acc", "last10_acc", "final_acc", "best_acc_unweighted", "last5_acc_unweighted",
+           "last10_acc_unweighted", "final_acc_unweighted")
+_PLUS_MINUS = re.compile(r"^\s*(-?[0-9.]+)\s*%?\s*(?:(?:±|\+-|\+/-)\s*([0-9.]+)\s*%?)?\s*$")
+
+
+class PaperValue(BaseModel):
+    """A number as the paper prints it, in percent: a mean and, when printed, a ± spread."""
+    mean: float
+    std: float | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "PaperValue | None":
+        if value is None:
+            return None
+        if isinstance(value, (int, float)):
+            return cls(mean=float(value))
+        match = _PLUS_MINUS.match(str(value))
+        if not match:
+            raise ValueError(f"paper value {value!r}: expected a number or 'mean±std' (percent)")
+        return cls(mean=float(match.group(1)), std=float(match.group(2)) if match.group(2) else None)
+
+    def text(self) -> str:
+        return f"{self.mean:.2f}" + ("" if self.std is None else f" ± {self.std:.2f}")
+
+
+class Budget(BaseModel):
+    """Overrides that make a table cheaper, the seeds to run, and in words what was reduced."""
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    seeds: int | None = Field(None, ge=1, description="None: the table's number of seeds")
+    reduced: str = ""
+
+
+class Column(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class Row(BaseModel):
+    """One method of a table. `paper`: one value per column (None where the paper has none)."""
+    model_config = ConfigDict(extra="forbid")
+
+    method: str
+    algorithm: str | None = Field(..., description="a registered algorithm, or null: not implemented yet")
+    config: dict[str, Any] = Field(default_factory=dict, description="row overrides, algorithm sections included")
+    metric: str | None = Field(None, description="compare this summary key instead of the table's")
+    paper: list[Any]
+    note: str = ""
+
+    def values(self) -> list[PaperValue | None]:
+        return [PaperValue.parse(value) for value in self.paper]
+
+
+class Table(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    source: str = Field(..., description="where the numbers are: 'Table 1, MNIST column'")
+    caption: str
+    metric: str
+    seeds: int = Field(1, ge=1, description="the paper's number of seeds (the paper budget runs this many)")
+    spread: Literal["seeds", "clients", "none"] = Field(
+        "seeds", description="what the paper's ± is: std over seeds (trials) or over clients within a run")
+    config: dict[str, Any] = Field(default_factory=dict)
+    columns: list[Column]
+    rows: list[Row]
+    budgets: dict[str, Budget] = Field(default_factory=dict, description="override the paper's budgets")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "Table":
+        for row in self.rows:
+            if len(row.paper) != len(self.columns):
+                raise ValueError(f"table {self.id}, row {row.method}: {len(row.paper)} paper values for "
+                                 f"{len(self.columns)} columns")
+            row.values()
+        for metric in [self.metric] + [row.metric for row in self.rows if row.metric]:
+            if metric not in METRICS:
+                raise ValueError(f"table {self.id}: metric {metric!r}; allowed: {', '.join(METRICS)}")
+        return self
+
+
+class Unavailable(BaseModel):
+    """A table of the paper that cannot be rebuilt offline, and why."""
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    source: str
+    reason: str
+
+
+class Paper(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    paper: str
+    title: str
+    file: str = Field(..., description="the paper's text file in ../shared/papers/")
+    protocol: str = Field(..., description="how the paper measures: which mean, which round, seeds")
+    base: dict[str, Any] = Field(default_factory=dict)
+    baselines: dict[str, dict[str, Any]] = Field(default_factory=dict, description="algorithm sections")
+    budgets: dict[str, Budget]
+    tables: list[Table]
+    unavailable: list[Unavailable] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> "Paper":
+        missing = [b for b in ("smoke", "cpu") if b not in self.budgets]
+        if missing:
+            raise ValueError(f"budgets: {', '.join(missing)} missing")
+        return self
+
+    def table(self, table_id: str) -> Table:
+        for table in self.tables:
+            if table.id == table_id:
+                return table
+        raise ConfigError(f"--table {table_id}: {self.paper} has no such table; allowed: "
+                          f"{', '.join(t.id for t in self.tables)}")
+
+    def budget(self, table: Table, name: str) -> Budget:
+        """The budget `name` of `table`: the paper-wide one with the table's own merged over it."""
+        if name not in BUDGETS:
+            raise ConfigError(f"--budget {name}: allowed: {', '.join(BUDGETS)}")
+        if name == "paper":
+            return Budget(seeds=table.seeds, reduced="none: the paper's setting")
+        common, own = self.budgets.get(name, Budget()), table.budgets.get(name, Budget())
+        return Budget(config=deep_merge(common.config, own.config), seeds=own.seeds or common.seeds,
+                      reduced="; ".join(text for text in (common.reduced, own.reduced) if text))
+
+    def cell_config(self, table: Table, column: Column, row: Row, budget: Budget) -> dict[str, Any]:
+        """The configuration of one cell (without seed), lowest precedence first."""
+        config: dict[str, Any] = {}
+        for layer in (self.base, dict(self.baselines), table.config, column.config, row.config, budget.config):
+            config = deep_merge(config, layer)
+        config["algorithm"] = row.algorithm
+        from pfedkit.algorithms import algorithm_names
+
+        others = set(algorithm_names()) - {row.algorithm}  # other methods' sections: not this run's
+        return {key: value for key, value in config.items() if key not in others}
+
+
+def paper_file(name: str):
+    return resources.files("pfedkit.experiments").joinpath("papers", f"{name}.yaml")
+
+
+def load_paper(name: str) -> Paper:
+    """The preset file of paper `name`, validated. ConfigError for an unknown paper or a bad file."""
+    if name not in PAPERS:
+        raise ConfigError(f"reproduce {name}: unknown paper; allowed: {', '.join(PAPERS)}")
+    path = paper_file(name)
+    if not path.is_file():
+        raise ConfigError(f"reproduce {name}: no preset file shipped yet ({name}.yaml)")
+    try:
+        return Paper(**yaml.safe_load(path.read_text()))
+    except ValidationError as err:
+        raise ConfigError(f"{name}.yaml: {err}".replace("\n", " ")) from None
+
+
+def check_paper(paper: Paper) -> list[str]:
+    """Every cell of every table and budget validated as a Config; returns the problems found."""
+    from pfedkit.algorithms import algorithm_names
+    from pfedkit.config import load_config
+
+    problems = []
+    for table in paper.tables:
+        for row in table.rows:
+            if row.algorithm is not None and row.algorithm not in algorithm_names():
+                problems.append(f"table {table.id}, row {row.method}: unknown algorithm {row.algorithm!r}")
+                continue
+            if row.algorithm is None:
+                continue
+            for budget_name in BUDGETS:
+                budget = paper.budget(table, budget_name)
+                for column in table.columns:
+                    try:
+                        load_config(paper.cell_config(table, column, row, budget))
+                    except ConfigError as err:
+                        problems.append(f"table {table.id}, column {column.name}, row {row.method}, "
+                                        f"budget {budget_name}: {err}")
+    return problems
+
+
+if __name__ == "__main__":  # python -m pfedkit.experiments.paper_presets PAPER: validate a preset file
+    import sys
+
+    for name in sys.argv[1:] or PAPERS:
+        found = check_paper(load_paper(name))
+        print(f"{name}: " + ("ok" if not found else f"{len(found)} problems"))
+        for problem in found:
+            print("  " + problem)

@@ -1,0 +1,186 @@
+"""`pfedkit reproduce PAPER`: a paper's table run at a budget, our mean ± std beside the paper's number.
+
+The output table has one line per (column, method): ours (mean ± std over seeds of the table's
+metric), the paper's value, the difference ours - paper in points, and each method's rank by ours
+and by the paper within the column; `order` flags a method whose rank differs, and each column's
+Kendall tau between the two orders says how far the orders agree overall. Methods pfedkit does not
+implement keep their line, with the paper's value and "not implemented".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy.stats import kendalltau, rankdata
+
+from pfedkit.atomic import atomic_write_text
+from pfedkit.config import deep_merge, parse_overrides
+from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
+                                            write_seed_table)
+from pfedkit.experiments.paper_presets import Budget, Paper, Table, load_paper
+
+NOT_IMPLEMENTED = "not implemented"
+CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
+
+
+@dataclass
+class Plan:
+    paper: Paper
+    table: Table
+    budget_name: str
+    budget: Budget
+    entries: list[Entry]
+    seeds: list[int]
+
+
+def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str] | None = None,
+               seeds: int | None = None) -> Plan:
+    """The comparison entries of one table at one budget (implemented rows only); `overrides`
+    (key=value) apply last, e.g. data_dir or backend."""
+    budget = paper.budget(table, budget_name)
+    extra = parse_overrides(overrides or [])
+    entries = []
+    for column in table.columns:
+        for row in table.rows:
+            if row.algorithm is not None:
+                config = deep_merge(paper.cell_config(table, column, row, budget), extra)
+                entries.append(Entry(row.method, config, group=column.name))
+    count = seeds or budget.seeds or table.seeds
+    return Plan(paper, table, budget_name, budget, entries, list(range(count)))
+
+
+def default_out(paper: Paper, table: Table, budget_name: str, out_dir: str = "runs") -> Path:
+    """A fixed directory per (paper, table, budget): running the same command again resumes."""
+    return Path(out_dir) / "reproduce" / f"{paper.paper}-{table.id}-{budget_name}"
+
+
+def run_plan(plan: Plan, out_dir: Path, quiet: bool = True) -> pd.DataFrame:
+    """Run the plan's comparison and write table.csv/.md (all numbers) and paper.csv/.md (beside
+    the paper), rewritten after every run so an interrupted table shows what finished; returns
+    the paper table."""
+    def write_tables(records: list[RunRecord]) -> pd.DataFrame:
+        write_seed_table(out_dir, records)
+        result = paper_table(plan.table, records)
+        atomic_write_text(out_dir / "paper.csv", result.to_csv(index=False))
+        atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result))
+        return result
+
+    records = run_comparison(out_dir, plan.entries, plan.seeds, quiet=quiet, after_each=write_tables, extra={
+        "kind": "reproduce", "paper": plan.paper.paper, "table": plan.table.id, "budget": plan.budget_name,
+        "reduced": plan.budget.reduced, "source": plan.table.source, "caption": plan.table.caption})
+    return write_tables(records)
+
+
+def paper_table(table: Table, records: list[RunRecord]) -> pd.DataFrame:
+    """One line per (column, method): ours, paper, difference, ranks and the order flag."""
+    lines = []
+    for index, column in enumerate(table.columns):
+        for row in table.rows:
+            paper_value = row.values()[index]
+            metric = row.metric or table.metric
+            summaries = [r.summary for r in records if r.entry.group == column.name and r.entry.label == row.method
+                         and r.summary.get(metric) is not None]
+            mean, std = our_value(summaries, metric, table.spread)
+            lines.append({"column": column.name, "method": row.method, "algorithm": row.algorithm, "metric": metric,
+                          "paper": np.nan if paper_value is None else paper_value.mean,
+                          "paper_std": np.nan if paper_value is None or paper_value.std is None else paper_value.std,
+                          "ours": mean, "ours_std": std, "seeds": len(summaries),
+                          "status": NOT_IMPLEMENTED if row.algorithm is None else
+                          ("ran" if summaries else "pending")})
+    frame = pd.DataFrame(lines)
+    frame["diff"] = frame["ours"] - frame["paper"]
+    return add_ranks(frame)
+
+
+def our_value(summaries: list[dict], metric: str, spread: str) -> tuple[float, float]:
+    """Mean over seeds of `metric` in %, and the spread the paper prints beside its number: the std
+    over seeds, or (spread "clients") the std over clients at the last evaluation, mean over seeds."""
+    if not summaries:
+        return np.nan, np.nan
+    mean, std = mean_std([100 * s[metric] for s in summaries])
+    if spread == "clients":
+        std = float(np.nanmean([np.nan if s.get(CLIENT_SPREAD) is None else 100 * s[CLIENT_SPREAD]
+                                for s in summaries]))
+    return mean, std
+
+
+def add_ranks(frame: pd.DataFrame) -> pd.DataFrame:
+    """Within each (column, metric), ranks (1 = best) by ours and by the paper among the methods that
+    have both numbers; `order_differs` where they disagree; `kendall_tau` of the column."""
+    frame = frame.copy()
+    frame["rank_ours"] = np.nan
+    frame["rank_paper"] = np.nan
+    frame["kendall_tau"] = np.nan
+    for _, block in frame.groupby(["column", "metric"], sort=False):
+        both = block.dropna(subset=["ours", "paper"])
+        if len(both) < 2:
+            continue
+        frame.loc[both.index, "rank_ours"] = rankdata(-both["ours"].to_numpy(), method="min")
+        frame.loc[both.index, "rank_paper"] = rankdata(-both["paper"].to_numpy(), method="min")
+        frame.loc[block.index, "kendall_tau"] = kendalltau(both["ours"], both["paper"]).statistic
+    frame["order_differs"] = (frame["rank_ours"] != frame["rank_paper"]) & frame["rank_ours"].notna()
+    return frame
+
+
+def _num(value: float, std: float | None = None) -> str:
+    if value is None or np.isnan(value):
+        return "-"
+    return f"{value:.2f}" + ("" if std is None or np.isnan(std) else f" ± {std:.2f}")
+
+
+def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
+    """Markdown: a heading with the source and budget, then one table per column."""
+    table = plan.table
+    parts = [f"## {plan.paper.paper} {table.id}: {table.caption}",
+             f"Source: {table.source}. Budget: {plan.budget_name} ({plan.budget.reduced or 'no reduction'}); "
+             f"seeds: {len(plan.seeds)}. Metric: {table.metric} in % (paper's ± is over {table.spread}; "
+             + ("ours is the std over clients at the last evaluation, mean over seeds). " if table.spread == "clients"
+                else "ours is over seeds, ddof=0). ") + "diff = ours - paper in points; `order` marks a method whose rank "
+             "among the methods with both numbers differs from the paper's."]
+    for column, block in result.groupby("column", sort=False):
+        tau = block["kendall_tau"].dropna()
+        parts.append(f"\n### {column}" + (f" (Kendall tau ours vs paper: {tau.iloc[0]:.2f})" if len(tau) else ""))
+        parts.append("| method | metric | ours | seeds | paper | diff | rank ours / paper | order |")
+        parts.append("|---|---|---|---|---|---|---|---|")
+        for _, line in block.iterrows():
+            ours = _num(line["ours"], line["ours_std"]) if line["status"] == "ran" else line["status"]
+            ranks = "-" if np.isnan(line["rank_ours"]) else f"{int(line['rank_ours'])} / {int(line['rank_paper'])}"
+            parts.append(f"| {line['method']} | {line['metric']} | {ours} | {line['seeds']} "
+                         f"| {_num(line['paper'], line['paper_std'])} | {_num(line['diff'])} | {ranks} "
+                         f"| {'≠' if line['order_differs'] else ''} |")
+    return "\n".join(parts) + "\n"
+
+
+def list_paper(paper: Paper) -> str:
+    """`reproduce PAPER --list`: tables with their source, columns, rows, seeds and budgets."""
+    lines = [f"{paper.paper}: {paper.title}", f"protocol: {paper.protocol}"]
+    for table in paper.tables:
+        missing = [row.method for row in table.rows if row.algorithm is None]
+        lines.append(f"  --table {table.id}: {table.source}; {table.caption}")
+        lines.append(f"      columns: {', '.join(c.name for c in table.columns)}; metric {table.metric}; "
+                     f"paper seeds {table.seeds}")
+        lines.append(f"      rows: {', '.join(row.method for row in table.rows)}"
+                     + (f" (not implemented: {', '.join(missing)})" if missing else ""))
+        for budget_name in ("smoke", "cpu"):
+            budget = paper.budget(table, budget_name)
+            lines.append(f"      {budget_name}: {budget.seeds or table.seeds} seed(s); {budget.reduced or '-'}")
+    for item in paper.unavailable:
+        lines.append(f"  (not rebuilt) {item.id}: {item.source}: {item.reason}")
+    return "\n".join(lines)
+
+
+def reproduce(name: str, table_ids: list[str] | None, budget_name: str, overrides: list[str] | None = None,
+              out: str | None = None, quiet: bool = True) -> list[tuple[Path, pd.DataFrame]]:
+    """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each."""
+    paper = load_paper(name)
+    tables = [paper.table(t) for t in table_ids] if table_ids else paper.tables
+    plans = [plan_table(paper, table, budget_name, overrides) for table in tables]
+    out_root = parse_overrides(overrides or []).get("out_dir", "runs")
+    outs = [Path(out) / plan.table.id if out and len(plans) > 1 else Path(out) if out
+            else default_out(paper, plan.table, budget_name, out_root) for plan in plans]
+    for plan, out_dir in zip(plans, outs):  # every cell of every table validated before the first run
+        plan_runs(out_dir, plan.entries, plan.seeds)
+    return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]

@@ -1,0 +1,164 @@
+"""`pfedkit reproduce`: the paper preset files, the table beside the paper, and the smoke budget."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pfedkit.cli import main
+from pfedkit.config import ConfigError
+from pfedkit.experiments.comparison import Entry, RunRecord
+from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
+from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, paper_table, plan_table
+
+from conftest import SHARED_DATASETS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ---- the table beside the paper (synthetic records) -------------------------------------------
+
+def synthetic_table() -> Table:
+    return Table(id="1", source="Table 1", caption="test", metric="best_acc", seeds=2,
+                 columns=[{"name": "A"}, {"name": "B"}],
+                 rows=[{"method": "M1", "algorithm": "fedavg", "paper": ["90.0±1.0", 80.0]},
+                       {"method": "M2", "algorithm": "local", "paper": [85.0, 85.0]},
+                       {"method": "M3", "algorithm": "fedprox", "paper": [70.0, None]},
+                       {"method": "M4", "algorithm": None, "paper": [95.0, 95.0]}])
+
+
+def record(column: str, method: str, seed: int, best: float) -> RunRecord:
+    return RunRecord(Entry(method, {}, group=column), seed, Path("."), {"best_acc": best})
+
+
+def test_paper_table_puts_our_seed_mean_beside_the_paper():
+    records = [record("A", "M1", 0, 0.80), record("A", "M1", 1, 0.84), record("A", "M2", 0, 0.90),
+               record("A", "M2", 1, 0.90), record("A", "M3", 0, 0.60), record("A", "M3", 1, 0.62),
+               record("B", "M1", 0, 0.70), record("B", "M2", 0, 0.75), record("B", "M3", 0, 0.5)]
+    frame = paper_table(synthetic_table(), records).set_index(["column", "method"])
+    m1 = frame.loc[("A", "M1")]
+    assert (m1["ours"], m1["ours_std"], m1["paper"], m1["paper_std"]) == pytest.approx((82.0, 2.0, 90.0, 1.0))
+    assert m1["diff"] == pytest.approx(-8.0)
+    # column A: paper order M1 > M2 > M3, ours M2 > M1 > M3 -> M1 and M2 flagged, M3 not
+    assert frame.loc[("A", "M1"), "rank_ours"] == 2 and frame.loc[("A", "M1"), "rank_paper"] == 1
+    assert frame.loc[("A", "M1"), "order_differs"] and frame.loc[("A", "M2"), "order_differs"]
+    assert not frame.loc[("A", "M3"), "order_differs"]
+    assert frame.loc[("A", "M1"), "kendall_tau"] == pytest.approx(1 / 3)
+    # column B: M3 has no paper number, so it is not ranked; M1 < M2 in both orders
+    assert np.isnan(frame.loc[("B", "M3"), "rank_ours"]) and not frame.loc[("B", "M3"), "order_differs"]
+    assert not frame.loc[("B", "M1"), "order_differs"] and frame.loc[("B", "M1"), "kendall_tau"] == pytest.approx(1)
+    # an unimplemented method keeps its line and the paper's number
+    m4 = frame.loc[("A", "M4")]
+    assert m4["status"] == NOT_IMPLEMENTED and m4["paper"] == 95.0 and np.isnan(m4["ours"])
+
+
+@pytest.mark.parametrize("text, mean, std", [("98.4±0.2%", 98.4, 0.2), ("65.40", 65.4, None),
+                                              (" 61.9 ± 0.6 ", 61.9, 0.6), (88, 88.0, None)])
+def test_paper_values_parse_as_printed(text, mean, std):
+    value = PaperValue.parse(text)
+    assert (value.mean, value.std) == (mean, std)
+
+
+def test_a_table_needs_one_value_per_column():
+    with pytest.raises(ValueError, match="2 paper values for 1 columns"):
+        Table(id="x", source="s", caption="c", metric="best_acc", columns=[{"name": "A"}],
+              rows=[{"method": "M", "algorithm": "fedavg", "paper": [1, 2]}])
+
+
+def test_unknown_paper_and_table_are_config_errors():
+    with pytest.raises(ConfigError, match="allowed: fedrema"):
+        load_paper("fedfoo")
+
+
+# ---- the shipped paper files -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PAPERS)
+def test_every_cell_of_every_budget_is_a_valid_config(name):
+    paper = load_paper(name)
+    assert paper.tables and check_paper(paper) == []
+    assert paper.budget(paper.tables[0], "cpu").reduced  # a cpu budget says what it cut
+
+
+def paper_number(name: str, table_id: str, method: str, column: str):
+    paper = load_paper(name)
+    table = paper.table(table_id)
+    index = [c.name for c in table.columns].index(column)
+    (row,) = [r for r in table.rows if r.method == method]
+    value = row.values()[index]
+    return value.mean, value.std
+
+
+# Typed again from the papers' text (not copied from the preset files).
+RETYPED = [
+    ("fedrema", "1-mnist", "FedAvg", "MNIST", 98.4, 0.1),
+    ("fedrema", "1-cifar10", "FedReMa", "CIFAR-10", 65.4, 0.3),
+    ("fedrema", "2", "FedAvg", "s=0.8", 45.4, 1.3),
+    ("cwfedavg", "1-mnist", "FedAMP", "pathological", 99.26, 0.01),
+    ("cwfedavg", "1-cifar10", "FedAvg", "pathological", 60.68, 0.84),
+    ("cwfedavg", "1-cifar10", "cwFedAvg (Output)", "practical", 88.65, 0.19),
+    ("pfedpm", "1-mnist", "Local", "n=3", 94.05, 2.93),
+    ("pfedpm", "1-mnist", "pFedPM", "n=3", 98.50, 0.42),
+    ("dapfl", "1", "DA-PFL", "20 clients, low imbalance (alpha=1)", 61.88, None),
+    ("dapfl", "1", "FedAMP", "100 clients, high imbalance (alpha=0.5)", 59.48, None),
+    ("pfedcs", "2-cifar10", "PFedCS", "alpha=0.1", 91.56, None),
+    ("pfedcs", "2-cifar10", "FedAvg", "alpha=0.01", 39.53, None),
+    ("pfedcs", "1-cifar10", "PFedCS", "C=2", 90.60, None),
+]
+
+
+@pytest.mark.parametrize("name, table_id, method, column, mean, std", RETYPED)
+def test_stored_paper_numbers_match_the_papers(name, table_id, method, column, mean, std):
+    assert paper_number(name, table_id, method, column) == (pytest.approx(mean), std)
+
+
+def test_plan_validates_and_counts_cells():
+    paper = load_paper("cwfedavg")
+    table = paper.table("1-mnist")
+    plan = plan_table(paper, table, "cpu", ["backend=sequential"])
+    implemented = [r for r in table.rows if r.algorithm is not None]
+    assert len(plan.entries) == len(implemented) * len(table.columns)
+    assert len(plan.seeds) == paper.budget(table, "cpu").seeds
+    assert all(e.config["backend"] == "sequential" for e in plan.entries)  # overrides apply last
+
+
+# The CIFAR-10 tables (PFedCS: 39 runs, DA-PFL: 40 runs) take a few minutes even at the smoke budget.
+SMOKE = [pytest.param(name, marks=pytest.mark.slow) if name in ("pfedcs", "dapfl") else name for name in PAPERS]
+
+
+@pytest.mark.skipif(not SHARED_DATASETS.is_dir(), reason="../shared/datasets not present")
+@pytest.mark.parametrize("name", SMOKE)
+def test_smoke_budget_produces_the_table_beside_the_paper(name, tmp_path, capsys):
+    table = load_paper(name).tables[0]
+    out = tmp_path / name
+    assert main(["reproduce", name, "--table", table.id, "--budget", "smoke", "--out", str(out), "-q",
+                 f"data_dir={SHARED_DATASETS}"]) == 0
+    result = pd.read_csv(out / "paper.csv")
+    assert len(result) == len(table.rows) * len(table.columns)
+    typed = [value is not None for row in table.rows for value in row.paper]
+    by_cell = result.set_index(["column", "method"])
+    for column_index, column in enumerate(table.columns):
+        for row in table.rows:
+            line = by_cell.loc[(column.name, row.method)]
+            assert pd.notna(line["paper"]) == (row.paper[column_index] is not None)
+            if row.algorithm is None:
+                assert line["status"] == NOT_IMPLEMENTED
+            else:
+                assert 0 <= line["ours"] <= 100 and line["seeds"] == 1
+    assert any(typed)
+    assert table.source in capsys.readouterr().out
+
+
+def test_a_spread_over_clients_is_shown_as_ours_over_clients():
+    table = synthetic_table().model_copy(update={"spread": "clients"})
+    records = [RunRecord(Entry("M1", {}, group="A"), seed, Path("."), {"best_acc": best, "final_acc_std": spread})
+               for seed, best, spread in ((0, 0.8, 0.10), (1, 0.9, 0.20))]
+    line = paper_table(table, records).set_index(["column", "method"]).loc[("A", "M1")]
+    assert (line["ours"], line["ours_std"]) == pytest.approx((85.0, 15.0))
+
+
+def test_an_unfinished_table_marks_its_missing_cells_pending():
+    frame = paper_table(synthetic_table(), [record("A", "M1", 0, 0.8)]).set_index(["column", "method"])
+    assert frame.loc[("A", "M1"), "status"] == "ran" and frame.loc[("A", "M2"), "status"] == "pending"
+    assert np.isnan(frame.loc[("A", "M1"), "rank_ours"])  # one method with both numbers: nothing to rank
