@@ -50,6 +50,10 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "run"
 
 
+def run_name(entry: Entry, seed: int) -> str:
+    return f"{slug(f'{entry.group}-{entry.label}' if entry.group else entry.label)}-s{seed}"
+
+
 def identity(config: Config) -> dict[str, Any]:
     """What a run computes: its resolved config without the execution keys."""
     data = config.to_dict()
@@ -64,7 +68,7 @@ def plan_runs(out_dir: Path, entries: list[Entry], seeds: list[int]) -> list[tup
     for entry in entries:
         for seed in seeds:
             config = load_config(entry.config, {"seed": seed, "out_dir": str(out_dir / "runs"),
-                                                "name": f"{slug(entry.group + '-' + entry.label if entry.group else entry.label)}-s{seed}"})
+                                                "name": run_name(entry, seed)})
             key = json.dumps(identity(config), sort_keys=True)
             if key in by_identity:  # e.g. a "best" and a "final" row of the same run
                 config = by_identity[key]
