@@ -188,25 +188,12 @@ def cmd_report(ns: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
     if options.get("tensorboard"):
-        written += tensorboard_events(target)
+        from pfedkit.report.tensorboard import write_events_of
+
+        written += write_events_of(target)
     for path in written:
         print(path)
     return 0
-
-
-def tensorboard_events(target: Path) -> list[Path]:
-    import json
-
-    from pfedkit.experiments.comparison import MANIFEST
-    from pfedkit.report.tensorboard import write_events
-
-    if (target / MANIFEST).is_file():
-        manifest = json.loads((target / MANIFEST).read_text())
-        runs = {Path(p).name: target / p for entry in manifest["entries"] for p in entry["runs"].values()
-                if (target / p / "metrics.csv").is_file()}
-    else:
-        runs = {target.name: target}
-    return write_events(runs, target / "report" / "tensorboard")
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

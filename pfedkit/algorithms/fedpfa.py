@@ -186,7 +186,10 @@ class FedPFA(Algorithm):
         for rnd in sorted(received):
             rows = ~np.isnan(received[rnd]).all(axis=1)
             matrix[rows] = received[rnd][rows]
-        written.append(sparsity_heatmap(matrix, out_dir / "fedpfa_sparsity.png"))
+        written.append(heatmap(matrix, out_dir / "fedpfa_sparsity.png",
+                               "FedPFA: sparsity vectors (fraction of zero activations per body-output unit)",
+                               "unit", "client", colorbar="fraction zero", vmin=0, vmax=1,
+                               figsize=(9, max(3, 0.3 * matrix.shape[0] + 1.5))))
         seen = ~np.isnan(matrix).all(axis=1)
         distances = np.full((len(matrix), len(matrix)), np.nan)
         if seen.any():
@@ -196,22 +199,3 @@ class FedPFA(Algorithm):
                                "FedPFA: Euclidean distance between sparsity vectors", "client", "client",
                                colorbar="distance"))
         return written
-
-
-def sparsity_heatmap(matrix: np.ndarray, path: Path) -> Path:
-    """Clients x units image of the sparsity vectors at a fixed size (units can be hundreds wide,
-    too many for `plots.heatmap`'s per-column sizing)."""
-    from pfedkit.report.plots import save_figure
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, max(3, 0.3 * matrix.shape[0] + 1.5)))
-    image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-    ax.set(title="FedPFA: sparsity vectors (fraction of zero activations per body-output unit)",
-           xlabel="unit", ylabel="client")
-    fig.colorbar(image, ax=ax, label="fraction zero")
-    return save_figure(fig, path)
-

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -176,7 +177,8 @@ def seed_table(records: list[RunRecord]) -> pd.DataFrame:
     """One row per entry: `<column>_mean` and `<column>_std` for every SUMMARY_COLUMNS column."""
     table = pd.DataFrame(index=pd.MultiIndex.from_tuples(
         list(dict.fromkeys((r.entry.group, r.entry.label) for r in records)), names=["group", "label"]))
-    table["seeds"] = [len(v) for v in seed_values(records, lambda s: 0).values()]
+    counts = Counter((r.entry.group, r.entry.label) for r in records)
+    table["seeds"] = [counts[key] for key in table.index]
     for column, read in SUMMARY_COLUMNS.items():
         stats = {key: mean_std(values) for key, values in seed_values(records, read).items()}
         table[f"{column}_mean"] = [stats[key][0] for key in table.index]

@@ -27,8 +27,9 @@ def is_comparison(path: Path) -> bool:
 def seed_curves(run_dirs: list[Path]) -> tuple[pd.Index, np.ndarray, np.ndarray]:
     """Per round over the seeds' runs: weighted accuracy [seeds, rounds], and the client spread
     (mean, 10th, 90th percentile) averaged over seeds [3, rounds]; rounds common to all runs."""
-    tables = [round_table(read_run(d)[1]) for d in run_dirs]
-    spreads = [client_spread(read_run(d)[1]) for d in run_dirs]
+    metrics = [read_run(d)[1] for d in run_dirs]
+    tables = [round_table(m) for m in metrics]
+    spreads = [client_spread(m) for m in metrics]
     rounds = tables[0].index
     for table in tables[1:]:
         rounds = rounds.intersection(table.index)

@@ -28,7 +28,11 @@ def client_spread(metrics: pd.DataFrame) -> pd.DataFrame:
 def read_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     if not (run_dir / "metrics.csv").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.csv; expected a run or comparison directory")
-    return yaml.safe_load((run_dir / "config.yaml").read_text()), pd.read_csv(run_dir / "metrics.csv")
+    return read_config(run_dir), pd.read_csv(run_dir / "metrics.csv")
+
+
+def read_config(run_dir: Path) -> dict:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
 def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
@@ -85,7 +89,7 @@ def report_run(run_dir: str | Path) -> list[Path]:
     run_dir = Path(run_dir)
     out_dir = run_dir / "report"
     figures = run_figures(run_dir, out_dir)
-    config, _ = read_run(run_dir)
+    config = read_config(run_dir)
     summary_file = run_dir / "summary.json"
     sections = [Section("Configuration", yaml.safe_dump({k: config[k] for k in (
         "algorithm", "dataset", "num_clients", "rounds", "seed") if k in config}, sort_keys=False).replace("\n", "; "))]

@@ -14,6 +14,22 @@ from pfedkit.config import ConfigError
 from pfedkit.evaluation import round_table
 
 
+def write_events_of(target: Path) -> list[Path]:
+    """Event folders in target/report/tensorboard for a run, or for every finished run of a
+    comparison directory."""
+    import json
+
+    from pfedkit.experiments.comparison import MANIFEST
+
+    if (target / MANIFEST).is_file():
+        manifest = json.loads((target / MANIFEST).read_text())
+        runs = {Path(p).name: target / p for entry in manifest["entries"] for p in entry["runs"].values()
+                if (target / p / "metrics.csv").is_file()}
+    else:
+        runs = {target.name: target}
+    return write_events(runs, target / "report" / "tensorboard")
+
+
 def write_events(run_dirs: dict[str, Path], out_dir: Path) -> list[Path]:
     """One event folder per run (named by the key): per-round accuracies, loss and bytes."""
     try:
