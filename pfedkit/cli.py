@@ -1,4 +1,4 @@
-"""Command line: `pfedkit run | compare | reproduce | report | list | bench | data stats` (see README).
+"""Command line: `pfedkit run | compare | reproduce | report | list | bench | flower | data stats` (see README).
 
 Configuration errors end with one line on stderr naming the key and exit status 2.
 """
@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--alpha", type=float, default=0.1)
     p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p_bench.set_defaults(func=cmd_bench)
+
+    from pfedkit.flower.commands import add_parser as add_flower_parser
+    add_flower_parser(sub)
 
     p_data = sub.add_parser("data", help="dataset tools")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)

@@ -88,6 +88,25 @@ class HeadlineConfig(BaseModel):
         "best", description="best round (chosen on test data), mean of the last 5 / 10 evaluated rounds, or the last")
 
 
+class RayConfig(BaseModel):
+    """`backend=ray` (and Flower simulation, which runs its virtual nodes on Ray)."""
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="an existing Ray cluster (e.g. 10.0.0.5:6379 or auto); "
+                                "None: start a local Ray for the run")
+
+
+class FlowerConfig(BaseModel):
+    """`pfedkit flower simulate` and Flower deployments (see README, Beyond one machine)."""
+    model_config = ConfigDict(extra="forbid")
+
+    round_timeout: float = Field(600.0, gt=0, description="seconds the server waits for a step's replies; "
+                                 "a node that has not answered by then is left out of that step")
+    connect_timeout: float = Field(300.0, gt=0, description="seconds the server waits for all num_clients "
+                                   "nodes to connect")
+    client_cpus: float = Field(1.0, gt=0, description="simulate: CPUs each virtual node (Ray actor) needs")
+
+
 class Config(BaseModel):
     """One run. Defaults give the embedded job: FedAvg on `digits`, 10 clients, Dirichlet 0.5."""
     model_config = ConfigDict(extra="allow")  # extra keys must be algorithm sections (checked below)
@@ -120,8 +139,11 @@ class Config(BaseModel):
         "after_download", description="evaluate the model a client would use after the round (what it "
         "downloads next; PFLlib) or a participant's model right after its local training (DA-PFL)")
     headline: HeadlineConfig = Field(default_factory=HeadlineConfig)
-    backend: Literal["sequential", "processes", "vectorized"] = "sequential"
-    workers: int | None = Field(None, ge=1, description="processes backend: worker count (default: cores)")
+    backend: Literal["sequential", "processes", "vectorized", "ray"] = "sequential"
+    workers: int | None = Field(None, ge=1, description="processes / ray backend: worker count (default: "
+                                "cores; ray: the cluster's CPUs)")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    flower: FlowerConfig = Field(default_factory=FlowerConfig)
     threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
     precision: Literal["fp32", "bf16"] = "fp32"
     channels_last: bool = Field(True, description="channels_last memory format for conv models")

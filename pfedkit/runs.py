@@ -60,11 +60,17 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
     elif not isinstance(config, Config):
         config = load_config(config, overrides)
     context = prepare(config, resume_dir=Path(resume) if resume else None)
-    run_dir = Path(resume) if resume else create_run_dir(config)
-    if resume is None:
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
-        atomic_savez(run_dir / "partition.npz", **context.data.partition_arrays())
+    run_dir = Path(resume) if resume else start_run_dir(config, context.data)
     return execute(config, context, run_dir, quiet=quiet)
+
+
+def start_run_dir(config: Config, data: FederatedData, run_dir: Path | None = None) -> Path:
+    """A new run directory (or `run_dir`) holding the run's config.yaml and partition.npz."""
+    run_dir = run_dir or create_run_dir(config)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+    atomic_savez(run_dir / "partition.npz", **data.partition_arrays())
+    return run_dir
 
 
 @dataclass
@@ -72,7 +78,9 @@ class Prepared:
     data: FederatedData
     simulation: Simulation
     state: SimState
-    runtime: Any
+    runtime: Any  # closed when the run ends
+    resumable: bool = True  # False: no checkpoint (a Flower run: the client states are on the nodes)
+    backend: str | None = None  # the summary's `backend` when not config.backend
 
 
 def model_name(config: Config) -> str:
@@ -138,23 +146,10 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
         data = assemble(dataset, train_index, test_index, channels_last)
     else:
         data = build_federated(config, dataset, channels_last)
-    algo_cls = get_algorithm(config.algorithm)
-    archs = architectures(config, data.input_shape, data.num_classes, algo_cls.head, channels_last)
-    try:
-        ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
-    except ValueError as err:  # a model option the model does not have, or a bad value
-        raise ConfigError(f"model_options / client_model_options: {err}") from None
-    ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
-    client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
-    setup = Setup(data.num_clients, data.num_classes, data.train_counts(), config.seed, config.local_epochs, ops,
-                  client_ops, rounds=config.rounds)
-    algorithm = algo_cls(config.hyper(), setup)
-    algorithm.check()
+    algorithm, archs = build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
+    ops, client_ops = algorithm.setup.ops, algorithm.setup.client_ops
     runtime = make_runtime(config, archs, data)
-    simulation = Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
-                            join_ratio=config.join_ratio, eval_every=config.eval_every,
-                            keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
-                            participants=config.participants)
+    simulation = simulation_for(config, algorithm, data, runtime)
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
         if not getattr(state, "optimizer_states", None) and config.keep_optimizer_state:
@@ -165,6 +160,33 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
             client_params=None if client_ops is None else [o.initial_params() for o in client_ops],
             client_buffers=None if client_ops is None else [o.initial_buffers() for o in client_ops])
     return Prepared(data, simulation, state, runtime)
+
+
+def simulation_for(config: Config, algorithm, data: FederatedData, runtime, clients=None) -> Simulation:
+    """The round loop with the config's schedule; `clients`: the clients' side (default: local)."""
+    return Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
+                      join_ratio=config.join_ratio, eval_every=config.eval_every,
+                      keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
+                      participants=config.participants, clients=clients)
+
+
+def build_algorithm(config: Config, input_shape, num_classes: int, train_counts: np.ndarray):
+    """The run's algorithm (checked) and its Architectures, from the federation's shape and
+    per-client class counts: what the simulation and every Flower node build alike."""
+    algo_cls = get_algorithm(config.algorithm)
+    channels_last = uses_channels_last(config, input_shape)
+    archs = architectures(config, input_shape, num_classes, algo_cls.head, channels_last)
+    try:
+        ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
+    except ValueError as err:  # a model option the model does not have, or a bad value
+        raise ConfigError(f"model_options / client_model_options: {err}") from None
+    ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
+    client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
+    setup = Setup(len(train_counts), num_classes, train_counts, config.seed, config.local_epochs, ops,
+                  client_ops, rounds=config.rounds)
+    algorithm = algo_cls(config.hyper(), setup)
+    algorithm.check()
+    return algorithm, archs
 
 
 def train_settings(config: Config) -> TrainSettings:
@@ -186,7 +208,11 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
     if config.backend == "vectorized":
         from pfedkit.engine.vectorized import VectorizedRuntime
         return VectorizedRuntime(build, settings, data, threads=config.threads, **extra)
-    raise ConfigError(f"backend: {config.backend!r} is not available yet; allowed: sequential, processes, vectorized")
+    if config.backend == "ray":
+        from pfedkit.engine.ray_runtime import RayRuntime
+        return RayRuntime(build, settings, data, workers=config.workers, threads=config.threads,
+                          address=config.ray.address, **extra)
+    raise ConfigError(f"backend: {config.backend!r} is not available; allowed: sequential, processes, vectorized, ray")
 
 
 def create_run_dir(config: Config) -> Path:
@@ -211,31 +237,33 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)
             if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
-                save_progress(run_dir, state)
+                save_progress(run_dir, state, checkpoint=context.resumable)
     finally:
         bar.close()
         context.runtime.close()
     metrics = pd.DataFrame(state.rows)
-    return Result(finish_summary(run_dir, state, config, context.data), metrics, run_dir)
+    return Result(finish_summary(run_dir, state, config, context.data, context.backend), metrics, run_dir)
 
 
-def save_progress(run_dir: Path, state: SimState) -> None:
+def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> None:
     """Metrics first, then the checkpoint: a kill between them only repeats a round on resume."""
     metrics = pd.DataFrame(state.rows)
     atomic_write_text(run_dir / "metrics.csv", metrics.to_csv(index=False))
-    atomic_torch_save(run_dir / CHECKPOINT, state)
+    if checkpoint:
+        atomic_torch_save(run_dir / CHECKPOINT, state)
     if state.diagnostics:
         atomic_torch_save(run_dir / "diagnostics.pt", state.diagnostics)
 
 
-def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData) -> dict[str, Any]:
+def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData,
+                   backend: str | None = None) -> dict[str, Any]:
     metrics = pd.DataFrame(state.rows)
     summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
                         class_correct=state.class_correct, class_total=state.class_total,
                         train_counts=data.train_counts(), weighting=config.headline.weighting,
                         point=config.headline.point, eval_point=config.eval_point)
     summary.update({"model": model_name(config), "num_clients": config.num_clients,
-                    "partition": config.partition.scheme, "backend": config.backend,
+                    "partition": config.partition.scheme, "backend": backend or config.backend,
                     "seconds": round(state.seconds, 3),
                     "sec_per_round": round(state.seconds / max(1, state.round), 4),
                     "run_dir": str(run_dir)})

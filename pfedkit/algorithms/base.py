@@ -235,6 +235,10 @@ class Algorithm:
     def has_custom_predict(self) -> bool:
         return type(self).predict is not Algorithm.predict
 
+    def has_client_report(self) -> bool:
+        """Whether clients ever send a `client_report` (a Flower server skips asking otherwise)."""
+        return type(self).client_report is not Algorithm.client_report
+
     def trained_model(self, cid: int, client: Any, params: Params) -> Params:
         """What a participant predicts with right after its local training (config
         `eval_point=after_local_training`): `client` is its new state, `params` the answer to its

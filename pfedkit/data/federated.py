@@ -77,18 +77,23 @@ def build_federated(config: Config, dataset: Dataset, channels_last: bool = Fals
 def assemble(dataset: Dataset, train_index: list[np.ndarray], test_index: list[np.ndarray],
              channels_last: bool = False) -> FederatedData:
     """Gather each client's rows into its own tensors (one copy of the data in total)."""
-    x = torch.from_numpy(dataset.x)
-    y = torch.from_numpy(dataset.y)
     counts = class_counts([np.asarray(t) for t in train_index], dataset.y, dataset.num_classes)
-
-    def rows(index: np.ndarray) -> torch.Tensor:
-        out = x[torch.from_numpy(np.asarray(index, dtype=np.int64))]
-        return out.contiguous(memory_format=torch.channels_last) if channels_last and out.dim() == 4 else out
-
-    clients = [ClientData(cid, rows(tr), y[torch.from_numpy(tr)], rows(te), y[torch.from_numpy(te)], counts[cid])
+    clients = [client_data(dataset, cid, tr, te, counts[cid], channels_last)
                for cid, (tr, te) in enumerate(zip(train_index, test_index))]
     return FederatedData(dataset.name, dataset.num_classes, dataset.input_shape,
                          list(train_index), list(test_index), clients)
+
+
+def client_data(dataset: Dataset, cid: int, train: np.ndarray, test: np.ndarray, counts: np.ndarray,
+                channels_last: bool = False) -> ClientData:
+    """Client `cid`'s tensors: rows `train` and `test` of the dataset (a Flower node builds only its own)."""
+    def rows(index: np.ndarray) -> torch.Tensor:
+        out = torch.from_numpy(dataset.x[np.asarray(index, dtype=np.int64)])
+        return out.contiguous(memory_format=torch.channels_last) if channels_last and out.dim() == 4 else out
+
+    labels = torch.from_numpy(dataset.y)
+    return ClientData(cid, rows(train), labels[torch.from_numpy(np.asarray(train, dtype=np.int64))],
+                      rows(test), labels[torch.from_numpy(np.asarray(test, dtype=np.int64))], counts)
 
 
 def load_partition(arrays: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:

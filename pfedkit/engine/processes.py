@@ -18,32 +18,25 @@ import torch
 from torch import nn
 
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator
-from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
+from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, largest_first,
+                                    split_custom_predict)
+from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
 
-# Worker-process globals, set once by `_init_worker` (inherited through fork, not pickled).
-_WORKER: dict = {}
+# The worker process's ClientWorker, set once by `_init_worker` (inherited through fork, not pickled).
+_WORKER: dict[str, ClientWorker] = {}
 
 
-def _init_worker(build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData, threads: int,
-                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
-                 model_keys: Sequence[Hashable] | None = None) -> None:
-    torch.set_num_threads(threads)
-    _WORKER["trainer"] = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
-    _WORKER["evaluator"] = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
-    _WORKER["data"] = data
+def _init_worker(*args) -> None:
+    _WORKER["worker"] = ClientWorker(*args)
 
 
 def _fit(job: FitJob) -> tuple[int, FitOutcome]:
-    client = _WORKER["data"].clients[job.cid]
-    return job.cid, _WORKER["trainer"](job.cid).fit(job, client.x_train, client.y_train)
+    return _WORKER["worker"].fit(job)
 
 
 def _evaluate(item: EvalItem) -> tuple[int, ClientEval]:
-    cid, params, buffers, _ = item
-    client = _WORKER["data"].clients[cid]
-    return cid, _WORKER["evaluator"](cid).evaluate(params, buffers, client.x_test, client.y_test)
+    return _WORKER["worker"].evaluate(item)
 
 
 def default_workers() -> int:
@@ -67,17 +60,11 @@ class ProcessRuntime:
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        by_size = sorted(jobs, key=lambda job: (-self.data.clients[job.cid].n_train, job.cid))
-        return dict(self.pool.imap_unordered(_fit, by_size, chunksize=1))
+        return dict(self.pool.imap_unordered(_fit, largest_first(jobs, self.data), chunksize=1))
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        remote = [item for item in items if item[3] is None]
-        results = dict(self.pool.imap_unordered(_evaluate, remote, chunksize=1)) if remote else {}
-        for cid, params, buffers, predict in items:
-            if predict is not None:
-                client = self.data.clients[cid]
-                results[cid] = self.local_evaluator(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
-        return results
+        return split_custom_predict(items, self.local_evaluator, self.data,
+                                    lambda remote: dict(self.pool.imap_unordered(_evaluate, remote, chunksize=1)))
 
     def close(self) -> None:
         self.pool.close()

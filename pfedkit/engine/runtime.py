@@ -82,6 +82,46 @@ class ModelEvaluator:
         return evaluate_logits_fn(logits_fn, x, y, self.num_classes)
 
 
+class ClientWorker:
+    """What a worker of a parallel runtime (a forked process, a Ray actor) holds: one trainer and
+    one evaluator per architecture with `threads` torch threads, and the federation's data."""
+
+    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData, threads: int,
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None) -> None:
+        torch.set_num_threads(threads)
+        self.trainers = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
+        self.evaluators = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
+        self.data = data
+
+    def fit(self, job: FitJob) -> tuple[int, FitOutcome]:
+        client = self.data.clients[job.cid]
+        return job.cid, self.trainers(job.cid).fit(job, client.x_train, client.y_train)
+
+    def evaluate(self, item: EvalItem) -> tuple[int, ClientEval]:
+        cid, params, buffers, _ = item
+        client = self.data.clients[cid]
+        return cid, self.evaluators(cid).evaluate(params, buffers, client.x_test, client.y_test)
+
+
+def split_custom_predict(items: list[EvalItem], evaluators: ByArchitecture, data: FederatedData,
+                         remote: Callable[[list[EvalItem]], dict[int, ClientEval]]) -> dict[int, ClientEval]:
+    """Evaluate `items` with `remote` (workers), except those with a custom predict (closures over
+    algorithm state, which stay in this process) evaluated here with `evaluators`."""
+    to_send = [item for item in items if item[3] is None]
+    results = remote(to_send) if to_send else {}
+    for cid, params, buffers, predict in items:
+        if predict is not None:
+            client = data.clients[cid]
+            results[cid] = evaluators(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
+    return results
+
+
+def largest_first(jobs: list[FitJob], data: FederatedData) -> list[FitJob]:
+    """Jobs by decreasing client size: idle workers pulling the next job then balance the load."""
+    return sorted(jobs, key=lambda job: (-data.clients[job.cid].n_train, job.cid))
+
+
 class SequentialRuntime:
     """One client after another in this process, with `threads` torch threads."""
     name = "sequential"

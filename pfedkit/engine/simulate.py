@@ -11,6 +11,7 @@ import time
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
-from pfedkit.evaluation import classifier_row_norms
+from pfedkit.evaluation import ClientEval, classifier_row_norms
 
 
 @dataclass
@@ -93,74 +94,49 @@ def _check_result(cid: int, value: Any) -> tuple[Any, Message]:
     return value
 
 
-class Simulation:
-    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
-                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
-                 eval_point: str = "after_download", participants: str = "round") -> None:
-        self.algorithm, self.data, self.runtime = algorithm, data, runtime
-        self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
-        self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
-        if eval_point not in ("after_download", "after_local_training"):
-            raise ValueError(f"eval_point must be 'after_download' or 'after_local_training', got {eval_point!r}")
-        self.eval_point = eval_point
+class LocalClients:
+    """The clients' side of a round, run in this process: their states live in the `SimState`
+    (`clients`, `buffers`, `optimizer_states`, indexed by client id: lists here, dicts on a Flower
+    node that holds one client) and their Fit requests go to the runtime. The Flower server swaps
+    this for an object with the same three methods that sends messages to nodes instead
+    (`pfedkit.flower`), and each node runs this class for its own client, so both execute the same
+    client math."""
 
-    def initial_state(self, params, buffers, client_params: list | None = None,
-                      client_buffers: list | None = None) -> SimState:
-        """`params`/`buffers`: the default architecture's initial weights (the server's, and every
-        client's unless `client_params`/`client_buffers` give each client its own: heterogeneous models)."""
-        algo, n = self.algorithm, self.data.num_clients
-        client_params = client_params or [params] * n
-        client_buffers = client_buffers or [buffers] * n
-        clients = [algo.init_client(cid, client_params[cid]) for cid in range(n)]
-        state = SimState(0, algo.init_server(params), clients, list(client_buffers),
-                         optimizer_states=[{} for _ in range(n)] if self.keep_optimizer_state else [])
-        algo.diagnostics = state.diagnostics
-        setup_bytes = self.exchange_reports(0, list(range(n)), state)
-        if setup_bytes:
-            state.rows.extend(self._rows(0, sorted(setup_bytes), {}, setup_bytes, {}, {}, {}))
-        return state
+    def __init__(self, algorithm: Algorithm, clients: Mapping[int, ClientData] | Sequence[ClientData], runtime,
+                 num_classes: int, eval_point: str = "after_download") -> None:
+        self.algorithm, self.clients, self.runtime = algorithm, clients, runtime
+        self.num_classes, self.eval_point = num_classes, eval_point
 
-    def exchange_reports(self, rnd: int, cids: list[int], state: SimState) -> dict[int, int]:
-        """Ask `cids` for their `client_report`, hand those sent to `collect`; bytes up per reporter."""
-        algo = self.algorithm
+    def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
+        """Every client's initial state, from its initial weights."""
+        state.clients = [self.algorithm.init_client(cid, p) for cid, p in enumerate(params)]
+        state.buffers = list(buffers)
+        state.optimizer_states = [{} for _ in params] if keep_optimizer_state else []
+
+    def client_view(self, cid: int, state: SimState) -> ClientData:
+        """Client `cid`'s data, with `buffers` reading its current BatchNorm statistics."""
+        return dataclasses.replace(self.clients[cid], buffers_source=lambda: state.buffers[cid])
+
+    def reports(self, rnd: int, cids: list[int], state: SimState) -> dict[int, Message]:
+        """`client_report` of each of `cids` (those that send one)."""
         reports = {}
         for cid in cids:
-            report = algo.client_report(rnd, cid, state.clients[cid], self.client_view(cid, state))
+            report = self.algorithm.client_report(rnd, cid, state.clients[cid], self.client_view(cid, state))
             if report is not None:
                 reports[cid] = report
-        if reports:
-            state.server = algo.collect(rnd, state.server, reports)
-        return {cid: message_bytes(report) for cid, report in reports.items()}
+        return reports
 
-    def run_round(self, state: SimState) -> RoundReport:
-        rnd = state.round + 1
-        algo, n = self.algorithm, self.data.num_clients
-        algo.diagnostics = state.diagnostics
-        started = time.perf_counter()
-        cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
-        reported = self.exchange_reports(rnd, cids, state)
-        messages = algo.broadcast(rnd, state.server, cids)
+    def train(self, rnd: int, messages: dict[int, Message], cids: list[int], state: SimState
+              ) -> tuple[dict[int, Message], dict[int, dict]]:
+        """Run `cids`' client updates; their new states replace the old ones; returns replies, stats."""
+        algo = self.algorithm
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                            self.client_view(cid, state)) for cid in cids}
         new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers,
                                                    state.optimizer_states or None)
         for cid, client_state in new_states.items():
             state.clients[cid] = client_state
-        state.server = algo.aggregate(rnd, state.server, replies)
-        trained = time.perf_counter()
-        evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
-        evaluated = time.perf_counter()
-        state.rows.extend(self._rows(rnd, cids, messages, reported, replies, stats, evals))
-        state.round = rnd
-        state.seconds += evaluated - started
-        weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
-                    if evals else None)
-        samples = sum(s["samples"] for s in stats.values())
-        return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
-
-    def client_view(self, cid: int, state: SimState) -> ClientData:
-        """Client `cid`'s data, with `buffers` reading its current BatchNorm statistics."""
-        return dataclasses.replace(self.data.clients[cid], buffers_source=lambda: state.buffers[cid])
+        return replies, stats
 
     def evaluated_model(self, cid: int, state: SimState, stats: dict[int, dict]):
         """settings.md §4.1: "after_download" = the model the client would use now, after the
@@ -171,22 +147,21 @@ class Simulation:
             return self.algorithm.trained_model(cid, state.clients[cid], stats[cid]["trained"])
         return self.algorithm.client_model(cid, state.server, state.clients[cid])
 
-    def _evaluate(self, rnd: int, state: SimState, stats: dict[int, dict]):
+    def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
+                 ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
+        """Each of `cids` evaluates its model on its test data: {cid: ClientEval}, and {cid: the
+        output layer's row norms} (nan: no Linear head)."""
         algo = self.algorithm
         custom = algo.has_custom_predict()
-        models = {cid: (self.evaluated_model(cid, state, stats), state.buffers[cid])
-                  for cid in range(self.data.num_clients)}
+        models = {cid: (self.evaluated_model(cid, state, stats), state.buffers[cid]) for cid in cids}
         if algo.has_adaptation():
             models.update(self._adapted(rnd, state, models))
         items = [(cid, params, buffers,
                   partial(algo.predict, cid, state.server, state.clients[cid]) if custom else None)
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
-        state.class_correct = np.stack([evals[c].class_correct for c in range(len(items))])
-        state.class_total = np.stack([evals[c].class_total for c in range(len(items))])
-        state.head_row_norms = np.stack([classifier_row_norms(models[c][0], self.data.num_classes)
-                                         for c in range(len(items))])
-        return evals
+        norms = {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
+        return evals, norms
 
     def _adapted(self, rnd: int, state: SimState, models: dict[int, tuple]) -> dict[int, tuple]:
         """Evaluation-time adaptation (`Algorithm.adapt`): the clients' adapted models and BatchNorm
@@ -199,8 +174,79 @@ class Simulation:
         outcomes = self.runtime.fit_many(jobs) if jobs else {}
         return {cid: (outcome.params, outcome.buffers) for cid, outcome in outcomes.items()}
 
+
+class Simulation:
+    """The round loop over an algorithm; `clients` is the clients' side (default: `LocalClients`
+    over `data` and `runtime`; the Flower server passes one that talks to nodes)."""
+
+    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
+                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+                 eval_point: str = "after_download", participants: str = "round", clients=None) -> None:
+        self.algorithm, self.data, self.runtime = algorithm, data, runtime
+        self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
+        self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
+        if eval_point not in ("after_download", "after_local_training"):
+            raise ValueError(f"eval_point must be 'after_download' or 'after_local_training', got {eval_point!r}")
+        self.eval_point = eval_point
+        self.clients = clients or LocalClients(algorithm, data.clients, runtime, data.num_classes, eval_point)
+
+    def initial_state(self, params, buffers, client_params: list | None = None,
+                      client_buffers: list | None = None) -> SimState:
+        """`params`/`buffers`: the default architecture's initial weights (the server's, and every
+        client's unless `client_params`/`client_buffers` give each client its own: heterogeneous models)."""
+        algo, n = self.algorithm, self.data.num_clients
+        state = SimState(0, None, [], [])
+        self.clients.start(state, client_params or [params] * n, client_buffers or [buffers] * n,
+                           self.keep_optimizer_state)
+        state.server = algo.init_server(params)
+        algo.diagnostics = state.diagnostics
+        setup_bytes = self.exchange_reports(0, list(range(n)), state)
+        if setup_bytes:
+            state.rows.extend(self._rows(0, sorted(setup_bytes), {}, setup_bytes, {}, {}, {}))
+        return state
+
+    def exchange_reports(self, rnd: int, cids: list[int], state: SimState) -> dict[int, int]:
+        """Ask `cids` for their `client_report`, hand those sent to `collect`; bytes up per reporter."""
+        reports = self.clients.reports(rnd, cids, state)
+        if reports:
+            state.server = self.algorithm.collect(rnd, state.server, reports)
+        return {cid: message_bytes(report) for cid, report in reports.items()}
+
+    def run_round(self, state: SimState) -> RoundReport:
+        rnd = state.round + 1
+        algo, n = self.algorithm, self.data.num_clients
+        algo.diagnostics = state.diagnostics
+        started = time.perf_counter()
+        cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
+        reported = self.exchange_reports(rnd, cids, state)
+        messages = algo.broadcast(rnd, state.server, cids)
+        replies, stats = self.clients.train(rnd, messages, cids, state)
+        state.server = algo.aggregate(rnd, state.server, replies)
+        trained = time.perf_counter()
+        evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
+        evaluated = time.perf_counter()
+        state.rows.extend(self._rows(rnd, cids, messages, reported, replies, stats, evals))
+        state.round = rnd
+        state.seconds += evaluated - started
+        weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
+                    if evals else None)
+        samples = sum(s["samples"] for s in stats.values())
+        return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
+
+    def _evaluate(self, rnd: int, state: SimState, stats: dict[int, dict]):
+        n, c = self.data.num_clients, self.data.num_classes
+        evals, norms = self.clients.evaluate(rnd, list(range(n)), state, stats)
+        # A client that did not answer (a Flower node gone) has no row: zeros / nan.
+        state.class_correct = np.stack([evals[k].class_correct if k in evals else np.zeros(c, np.int64)
+                                        for k in range(n)])
+        state.class_total = np.stack([evals[k].class_total if k in evals else np.zeros(c, np.int64)
+                                      for k in range(n)])
+        state.head_row_norms = np.stack([norms.get(k, np.full(c, np.nan)) for k in range(n)])
+        return evals
+
     def _rows(self, rnd, cids, messages, reported, replies, stats, evals) -> list[dict]:
-        """One metrics row per client; `reported`: bytes of the round's client_report uploads."""
+        """One metrics row per client; `reported`: bytes of the round's client_report uploads.
+        `dropped` marks a participant whose reply never came (a Flower node that died or timed out)."""
         rows, joined = [], set(cids)
         for cid, client in enumerate(self.data.clients):
             ev = evals.get(cid)
@@ -216,6 +262,6 @@ class Simulation:
                 "train_steps": steps,
                 "bytes_down": message_bytes(messages.get(cid)) if cid in joined else 0,
                 "bytes_up": (message_bytes(replies.get(cid)) + reported.get(cid, 0)) if cid in joined else 0,
+                "dropped": int(cid in joined and rnd > 0 and cid not in replies),
             })
         return rows
-

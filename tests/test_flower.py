@@ -1,0 +1,182 @@
+"""Beyond one machine: Flower records, Flower simulation == sequential, deployment on loopback
+(a node killed mid-run; TLS with node authentication), and backend=ray == processes.
+
+Flower simulation and Ray start several processes (~20-40 s per run on 2 cores); the deployment
+tests start a SuperLink and SuperNodes as separate processes and are marked slow.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+import pfedkit  # noqa: E402
+from pfedkit.algorithms.base import message_bytes  # noqa: E402
+from pfedkit.config import load_config  # noqa: E402
+from pfedkit.flower.records import pack, put, take, unpack  # noqa: E402
+
+
+# --- records ------------------------------------------------------------------------------------
+
+def _same(a, b) -> bool:
+    """Equal values AND equal types, dtypes, shapes (recursively)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and np.isnan(a):
+        return np.isnan(b)
+    return a == b
+
+
+def test_every_message_type_round_trips_exactly_with_the_same_byte_count():
+    value = {
+        "params": {"body.0.weight": torch.randn(4, 3), "head.bias": torch.zeros(2)},
+        "mask": torch.tensor([True, False]), "count": torch.tensor(7), "half": torch.randn(3).to(torch.bfloat16),
+        "conv": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "matrix": np.eye(3, dtype=np.float32), "flags": np.array([1, 0], dtype=np.int8),
+        "weight": 125, "score": 0.1 + 0.2, "nan": float("nan"), "f32": np.float32(1.1), "i64": np.int64(-3),
+        "name": "fedrema", "none": None, "yes": True,
+        3: [torch.ones(1), (1, "a", None)], (0, 1): {"nested": [np.arange(3)]}, "empty": {},
+    }
+    back = unpack(*pack(value))
+    assert _same(value, back)
+    assert back["conv"].is_contiguous(memory_format=torch.channels_last)
+    assert message_bytes(back) == message_bytes(value)
+
+
+def test_put_take_keeps_values_under_their_names_and_decoded_tensors_are_independent():
+    from flwr.app import RecordDict
+
+    record = RecordDict()
+    put(record, "a", {"x": torch.arange(3.0)})
+    put(record, "b", [1, 2])
+    assert take(record, "missing", default="none") == "none"
+    a = take(record, "a")
+    a["x"].add_(1)  # writable, and not shared with the record
+    assert torch.equal(take(record, "a")["x"], torch.arange(3.0))
+    assert take(record, "b") == [1, 2]
+
+
+def test_unsendable_values_are_refused_with_the_type_named():
+    with pytest.raises(TypeError, match="set"):
+        pack({"bad": {1, 2}})
+    with pytest.raises(TypeError, match="objects"):
+        pack(np.array([object()], dtype=object))
+
+
+# --- Flower simulation == sequential -----------------------------------------------------------
+
+def _overrides(algorithm: str, tmp_path: Path, extra: list[str] = ()) -> list[str]:
+    return ["dataset=digits", "num_clients=4", "rounds=2", f"algorithm={algorithm}", "threads=1", "workers=2",
+            "join_ratio=0.75", f"out_dir={tmp_path}", "seed=5", *extra]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedrema", "dapfl"])
+def test_flower_simulation_gives_the_sequential_metrics_bytes_included(algorithm, tmp_path):
+    from pfedkit.flower.app import simulate
+
+    overrides = _overrides(algorithm, tmp_path)
+    reference = pfedkit.run(None, overrides + ["backend=sequential", "name=seq"])
+    flower_run = simulate(load_config(None, overrides + ["name=flower"]))
+    pd.testing.assert_frame_equal(flower_run.metrics, reference.metrics, check_exact=True)
+    assert reference.metrics["bytes_down"].sum() > 0 and reference.metrics["bytes_up"].sum() > 0
+    assert (reference.metrics["participated"] == 0).any()  # partial participation was exercised
+    written = pd.read_csv(flower_run.run_dir / "metrics.csv")
+    pd.testing.assert_frame_equal(written, pd.read_csv(reference.run_dir / "metrics.csv"), check_exact=True)
+    for name in ("config.yaml", "partition.npz", "summary.json", "clients.npz"):
+        assert (flower_run.run_dir / name).is_file()
+    assert flower_run.summary["backend"] == "flower"
+    assert flower_run.summary["best_acc"] == reference.summary["best_acc"]
+
+
+# --- backend=ray == processes ------------------------------------------------------------------
+
+def test_ray_backend_gives_the_processes_metrics(tmp_path):
+    pytest.importorskip("ray")
+    overrides = _overrides("fedper", tmp_path, ["rounds=3"])
+    processes = pfedkit.run(None, overrides + ["backend=processes", "name=processes"])
+    ray_run = pfedkit.run(None, overrides + ["backend=ray", "name=ray"])
+    pd.testing.assert_frame_equal(ray_run.metrics, processes.metrics, check_exact=True)
+    assert ray_run.summary["backend"] == "ray"
+
+
+# --- deployment on loopback --------------------------------------------------------------------
+
+def _deploy(tmp_path: Path, nodes: int, extra: list[str], tls=None):
+    from pfedkit.flower.deploy import LocalDeployment, write_app
+
+    config = load_config(None, _overrides("fedavg", tmp_path / "runs", [f"num_clients={nodes}", "join_ratio=1",
+                                                                       "name=deployed", *extra]))
+    deployment = LocalDeployment(tmp_path / "app", nodes, tls=tls)
+    write_app(deployment.app_dir, config, address=deployment.address, tls=tls)
+    return config, deployment
+
+
+@pytest.mark.slow
+def test_deployment_with_a_node_killed_in_round_two_finishes_without_it(tmp_path):
+    config, deployment = _deploy(tmp_path, 3, ["rounds=2", "flower.round_timeout=60"])
+    metrics_file = Path(config.out_dir) / "deployed" / "metrics.csv"
+    with deployment:
+        def kill_after_round_one():
+            while not metrics_file.is_file():
+                time.sleep(0.2)
+            deployment.kill("supernode-2")
+        killer = threading.Thread(target=kill_after_round_one, daemon=True)
+        killer.start()
+        finished = deployment.run(timeout=600)
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    metrics = pd.read_csv(metrics_file)
+    reference = pfedkit.run(None, _overrides("fedavg", tmp_path / "ref", ["num_clients=3", "join_ratio=1",
+                                                                          "rounds=2"])).metrics
+    first = metrics["round"] == 1
+    pd.testing.assert_frame_equal(metrics[first].reset_index(drop=True), reference[first].reset_index(drop=True),
+                                  check_exact=True, check_dtype=False)  # round 1: all nodes, the sequential numbers
+    second = metrics[metrics["round"] == 2].set_index("client")
+    assert second.loc[2, "dropped"] == 1 and np.isnan(second.loc[2, "accuracy"])
+    assert (second.loc[[0, 1], "dropped"] == 0).all() and second.loc[[0, 1], "accuracy"].notna().all()
+    assert second.loc[2, "bytes_down"] > 0 and second.loc[2, "bytes_up"] == 0  # sent to, never heard from
+    # round 2 aggregated only clients 0 and 1, so their models differ from the full round's
+    full = reference[reference["round"] == 2].set_index("client")
+    assert not np.array_equal(second.loc[[0, 1], "loss"], full.loc[[0, 1], "loss"])
+
+
+@pytest.mark.slow
+def test_deployment_with_tls_and_node_authentication_refuses_an_unregistered_node(tmp_path):
+    from pfedkit.flower.certificates import make_certificates
+    from pfedkit.flower.deploy import TLSFiles, write_app
+
+    tls = make_certificates(tmp_path / "certs", nodes=3)
+    registered = TLSFiles(tls.ca_cert, tls.server_cert, tls.server_key, tls.node_keys[:2])
+    config, deployment = _deploy(tmp_path, 2, ["rounds=1"], tls=registered)
+    with deployment:
+        # a third node whose key the SuperLink never registered: it must not join
+        deployment.tls = TLSFiles(tls.ca_cert, tls.server_cert, tls.server_key, (tls.node_keys[2],) * 3)
+        deployment.start_node(2)
+        deployment.tls = registered
+        needs_three = config.model_copy(update={"num_clients": 3, "name": "three",
+                                                "flower": config.flower.model_copy(update={"connect_timeout": 30})})
+        write_app(deployment.app_dir, needs_three, address=deployment.address, tls=registered)
+        refused = deployment.run(timeout=600)
+        write_app(deployment.app_dir, config, address=deployment.address, tls=registered)
+        finished = deployment.run(timeout=600)
+    assert not (Path(config.out_dir) / "three" / "metrics.csv").is_file()
+    assert "2 of 3 nodes connected" in refused.stdout + refused.stderr
+    assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-2000:]
+    metrics = pd.read_csv(Path(config.out_dir) / "deployed" / "metrics.csv")
+    reference = pfedkit.run(None, _overrides("fedavg", tmp_path / "ref", ["num_clients=2", "join_ratio=1",
+                                                                          "rounds=1"])).metrics
+    pd.testing.assert_frame_equal(metrics, reference, check_exact=True)  # over TLS, the same numbers
