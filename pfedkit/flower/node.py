@@ -52,7 +52,7 @@ def build_node(config: Config, cid: int) -> NodeClient:
     if not 0 <= cid < config.num_clients:
         raise ValueError(f"partition-id {cid} is outside the run's clients 0..{config.num_clients - 1}")
     train_index, test_index = split_indices(config, dataset)
-    counts = class_counts([train for train in train_index], dataset.y, dataset.num_classes)
+    counts = class_counts(list(train_index), dataset.y, dataset.num_classes)
     channels_last = uses_channels_last(config, dataset.input_shape)
     own = {cid: client_data(dataset, cid, train_index[cid], test_index[cid], counts[cid], channels_last)}
     algorithm, archs = build_algorithm(config, dataset.input_shape, dataset.num_classes, counts)
