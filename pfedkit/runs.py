@@ -64,10 +64,9 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
     return execute(config, context, run_dir, quiet=quiet)
 
 
-def start_run_dir(config: Config, data: FederatedData, run_dir: Path | None = None) -> Path:
-    """A new run directory (or `run_dir`) holding the run's config.yaml and partition.npz."""
-    run_dir = run_dir or create_run_dir(config)
-    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+def start_run_dir(config: Config, data: FederatedData) -> Path:
+    """A new run directory holding the run's config.yaml and partition.npz."""
+    run_dir = create_run_dir(config)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     atomic_savez(run_dir / "partition.npz", **data.partition_arrays())
     return run_dir

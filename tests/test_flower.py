@@ -117,12 +117,12 @@ def test_ray_backend_gives_the_processes_metrics(tmp_path):
 # --- deployment on loopback --------------------------------------------------------------------
 
 def _deploy(tmp_path: Path, nodes: int, extra: list[str], tls=None):
-    from pfedkit.flower.deploy import LocalDeployment, write_app
+    from pfedkit.flower.deploy import LocalDeployment
 
     config = load_config(None, _overrides("fedavg", tmp_path / "runs", [f"num_clients={nodes}", "join_ratio=1",
                                                                        "name=deployed", *extra]))
     deployment = LocalDeployment(tmp_path / "app", nodes, tls=tls)
-    write_app(deployment.app_dir, config, address=deployment.address, tls=tls)
+    deployment.write_app(config)
     return config, deployment
 
 
@@ -157,21 +157,19 @@ def test_deployment_with_a_node_killed_in_round_two_finishes_without_it(tmp_path
 @pytest.mark.slow
 def test_deployment_with_tls_and_node_authentication_refuses_an_unregistered_node(tmp_path):
     from pfedkit.flower.certificates import make_certificates
-    from pfedkit.flower.deploy import TLSFiles, write_app
+    from pfedkit.flower.deploy import TLSFiles
 
     tls = make_certificates(tmp_path / "certs", nodes=3)
     registered = TLSFiles(tls.ca_cert, tls.server_cert, tls.server_key, tls.node_keys[:2])
     config, deployment = _deploy(tmp_path, 2, ["rounds=1"], tls=registered)
     with deployment:
         # a third node whose key the SuperLink never registered: it must not join
-        deployment.tls = TLSFiles(tls.ca_cert, tls.server_cert, tls.server_key, (tls.node_keys[2],) * 3)
-        deployment.start_node(2)
-        deployment.tls = registered
+        deployment.start_node(2, auth_key=tls.node_keys[2])
         needs_three = config.model_copy(update={"num_clients": 3, "name": "three",
                                                 "flower": config.flower.model_copy(update={"connect_timeout": 30})})
-        write_app(deployment.app_dir, needs_three, address=deployment.address, tls=registered)
+        deployment.write_app(needs_three)
         refused = deployment.run(timeout=600)
-        write_app(deployment.app_dir, config, address=deployment.address, tls=registered)
+        deployment.write_app(config)
         finished = deployment.run(timeout=600)
     assert not (Path(config.out_dir) / "three" / "metrics.csv").is_file()
     assert "2 of 3 nodes connected" in refused.stdout + refused.stderr

@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
-import torch
 from torch import nn
 
 from pfedkit.data.federated import FederatedData

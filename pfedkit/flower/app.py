@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -19,6 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from pfedkit.config import Config, ConfigError
 from pfedkit.flower import node
+from pfedkit.flower.server import serve
 
 # Offline machines: no telemetry, no update check, no `uv sync` of the app at run time.
 for _name in ("FLWR_TELEMETRY_ENABLED", "FLWR_DISABLE_UPDATE_CHECK", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"):
@@ -51,13 +51,7 @@ def main(grid: Grid, context: Context) -> None:
     if not text:
         raise ConfigError("the ServerApp needs the run's config in its run config key `config`; "
                           "make the app with `pfedkit flower app DIR CONFIG`")
-    serve_config(grid, Config(**json.loads(text)))
-
-
-def serve_config(grid: Grid, config: Config, run_dir: Path | None = None, quiet: bool = False):
-    from pfedkit.flower.server import serve
-
-    return serve(grid, config, run_dir, quiet)
+    serve(grid, Config(**json.loads(text)), quiet=False)
 
 
 def simulate(config: Config, quiet: bool = True):
@@ -72,7 +66,7 @@ def simulate(config: Config, quiet: bool = True):
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
-        results.append(serve_config(grid, config, quiet=quiet))
+        results.append(serve(grid, config, quiet=quiet))
 
     init_args = {"include_dashboard": False, "log_to_driver": False}
     if config.ray.address:

@@ -40,11 +40,10 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 
 def cmd_app(ns: argparse.Namespace) -> int:
     _require_flower()
-    from pfedkit.flower.deploy import TLSFiles, write_app
+    from pfedkit.flower.deploy import write_app
 
     config = _config(ns.items)
-    tls = TLSFiles(Path(ns.ca), Path(), Path()) if ns.ca else None
-    app = write_app(ns.directory, config, address=ns.address, tls=tls)
+    app = write_app(ns.directory, config, address=ns.address, ca_cert=Path(ns.ca) if ns.ca else None)
     security = f"--root-certificates {ns.ca}" if ns.ca else "--insecure"
     print(f"Flower app written to {app} ({config.algorithm} on {config.dataset}, {config.num_clients} clients).\n"
           f"1. on the server:  flower-superlink {'--ssl-ca-certfile CA --ssl-certfile CERT --ssl-keyfile KEY' if ns.ca else '--insecure'} "
@@ -60,7 +59,7 @@ def cmd_local(ns: argparse.Namespace) -> int:
 
     _require_flower()
     from pfedkit.flower.certificates import make_certificates
-    from pfedkit.flower.deploy import LocalDeployment, write_app
+    from pfedkit.flower.deploy import LocalDeployment
 
     config = _config(ns.items)
     if config.name is None:
@@ -68,7 +67,7 @@ def cmd_local(ns: argparse.Namespace) -> int:
     home = Path(ns.app or Path(config.out_dir) / f"{config.name}-app")
     tls = make_certificates(home / "certs", nodes=config.num_clients) if ns.tls else None
     deployment = LocalDeployment(home, config.num_clients, data_dir=config.data_dir, tls=tls)
-    write_app(home, config, address=deployment.address, tls=tls)
+    deployment.write_app(config)
     print(f"SuperLink on {deployment.address}{' (TLS, node authentication)' if tls else ''}, "
           f"{config.num_clients} SuperNodes; logs in {home / 'logs'}", flush=True)
     with deployment:

@@ -43,9 +43,10 @@ def _toml_string(text: str) -> str:
 
 
 def write_app(directory: str | Path, config: Config, address: str = "127.0.0.1:8000",
-              tls: TLSFiles | None = None) -> Path:
-    """Write the Flower app for `config` into `directory`; returns it. Paths in the config
-    (data_dir, out_dir) are made absolute, since the ServerApp runs in the SuperLink's directory."""
+              ca_cert: Path | None = None) -> Path:
+    """Write the Flower app for `config` into `directory`, connecting to the SuperLink at `address`
+    (over TLS trusting `ca_cert`, else insecure); returns it. Paths in the config (data_dir,
+    out_dir) are made absolute, since the ServerApp runs in the SuperLink's directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     settings = config.to_dict()
@@ -78,7 +79,7 @@ config = {_toml_string(json.dumps(settings, sort_keys=True))}
 """)
     home = directory / "flwr-home"
     home.mkdir(exist_ok=True)
-    security = (f"root-certificates = {_toml_string(str(Path(tls.ca_cert).resolve()))}" if tls
+    security = (f"root-certificates = {_toml_string(str(Path(ca_cert).resolve()))}" if ca_cert
                 else "insecure = true")
     (home / "config.toml").write_text(f"""[superlink]
 default = "{CONNECTION}"
@@ -147,13 +148,19 @@ class LocalDeployment:
             self.start_node(cid)
         return self
 
-    def start_node(self, cid: int) -> None:
+    def write_app(self, config: Config) -> Path:
+        """The app for `config`, connecting to this deployment's SuperLink (TLS when it has it)."""
+        return write_app(self.app_dir, config, address=self.address, ca_cert=self.tls.ca_cert if self.tls else None)
+
+    def start_node(self, cid: int, auth_key: Path | None = None) -> None:
+        """SuperNode with partition-id `cid`; with node authentication it signs with `auth_key`
+        (default: the deployment's key of node `cid`)."""
         node_config = f"partition-id={cid} num-partitions={self.nodes}"
         if self.data_dir:
             node_config += f' data-dir="{Path(self.data_dir).resolve()}"'
         security = ["--root-certificates", str(self.tls.ca_cert)] if self.tls else ["--insecure"]
         if self.tls and self.tls.node_keys:
-            security += ["--auth-supernode-private-key", str(self.tls.node_keys[cid])]
+            security += ["--auth-supernode-private-key", str(auth_key or self.tls.node_keys[cid])]
         self._spawn(f"supernode-{cid}", flower_command("flower-supernode") + security + [
             "--superlink", self.address, "--host", "127.0.0.1", "--port", str(free_port()),
             "--node-config", node_config])

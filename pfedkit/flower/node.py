@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Context, Message, RecordDict
 
 from pfedkit.config import Config
 from pfedkit.data.datasets import load_dataset
@@ -140,6 +140,6 @@ OPERATIONS = {"report": _report, "train": _train, "evaluate": _evaluate}
 
 
 def _reply(msg: Message, answer: Any) -> Message:
-    content = RecordDict({HEADER: ConfigRecord({"ok": True})})
+    content = RecordDict()
     put(content, PAYLOAD, answer)
     return Message(content, reply_to=msg)

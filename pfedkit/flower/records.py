@@ -42,9 +42,12 @@ def unpack(arrays: ArrayRecord, skeleton: str) -> Any:
 
 def put(record: RecordDict, name: str, value: Any) -> None:
     """Store `value` in `record` under `name` (two entries: `name.arrays`, `name.meta`)."""
-    arrays, skeleton = pack(value)
-    record[f"{name}.arrays"] = arrays
-    record[f"{name}.meta"] = ConfigRecord({_SKELETON: skeleton})
+    put_packed(record, name, pack(value))
+
+
+def put_packed(record: RecordDict, name: str, packed: tuple[ArrayRecord, str]) -> None:
+    """`put` for a value already packed (one encoding sent in many messages)."""
+    record[f"{name}.arrays"], record[f"{name}.meta"] = packed[0], ConfigRecord({_SKELETON: packed[1]})
 
 
 def take(record: RecordDict, name: str, default: Any = None) -> Any:

@@ -34,7 +34,7 @@ from pfedkit.config import Config
 from pfedkit.engine.simulate import SimState
 from pfedkit.evaluation import ClientEval
 from pfedkit.flower.node import HEADER, PAYLOAD
-from pfedkit.flower.records import pack, take
+from pfedkit.flower.records import pack, put_packed, take
 
 log = logging.getLogger("pfedkit.flower")
 
@@ -104,17 +104,14 @@ class FlowerClients:
         """Send each target its payload, wait for the replies; {target: decoded answer} of those that
         came back in time without error (targets are client ids, or node ids when `by_node`)."""
         header = ConfigRecord({"op": op, "round": rnd, "config": self.config_text})
-        outgoing, sent = [], {}
+        outgoing = []
         for target, payload in payloads.items():
-            arrays, skeleton = payload if packed else pack(payload)
-            content = RecordDict({HEADER: header, f"{PAYLOAD}.arrays": arrays,
-                                  f"{PAYLOAD}.meta": ConfigRecord({"skeleton": skeleton})})
-            message = Message(content, dst_node_id=target if by_node else self.nodes[target],
-                              message_type=kind, group_id=str(rnd))
-            outgoing.append(message)
+            content = RecordDict({HEADER: header})
+            put_packed(content, PAYLOAD, payload if packed else pack(payload))
+            outgoing.append(Message(content, dst_node_id=target if by_node else self.nodes[target],
+                                    message_type=kind, group_id=str(rnd)))
         replies = self.grid.send_and_receive(outgoing, timeout=self.timeout)
-        for message, target in zip(outgoing, payloads):
-            sent[message.metadata.message_id] = target
+        sent = {message.metadata.message_id: target for message, target in zip(outgoing, payloads)}  # ids set on send
         answers, failed = {}, []
         for reply in replies:
             target = sent.get(reply.metadata.reply_to_message_id)
@@ -131,7 +128,7 @@ class FlowerClients:
         return answers
 
 
-def serve(grid: Grid, config: Config, run_dir=None, quiet: bool = True):
+def serve(grid: Grid, config: Config, quiet: bool = True):
     """Run `config` with the clients on Flower nodes; writes a run directory as `pfedkit run` does
     (config.yaml, partition.npz, metrics.csv, summary.json, clients.npz; no checkpoint)."""
     from pfedkit import runs
@@ -146,4 +143,4 @@ def serve(grid: Grid, config: Config, run_dir=None, quiet: bool = True):
     ops = algorithm.setup.ops
     state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
     context = runs.Prepared(data, simulation, state, clients, resumable=False, backend="flower")
-    return runs.execute(config, context, runs.start_run_dir(config, data, run_dir), quiet=quiet)
+    return runs.execute(config, context, runs.start_run_dir(config, data), quiet=quiet)
