@@ -54,10 +54,15 @@ class ClientEval:
         return float(np.mean(self.class_correct[present] / self.class_total[present]))
 
 
+# Evaluation batch: big enough for efficient kernels, small enough that a conv model's activations
+# stay in cache. FedAvgCNN forward on this CPU, 1 thread: 56 GFLOP/s at 200 samples, 32 at 1,000.
+EVAL_BATCH = 200
+
+
 @torch.inference_mode()
 def evaluate_logits_fn(logits_fn, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                       batch_size: int = 1000) -> ClientEval:
-    """Accuracy, summed loss and per-class counts of `logits_fn` over (x, y) in large batches."""
+                       batch_size: int = EVAL_BATCH) -> ClientEval:
+    """Accuracy, summed loss and per-class counts of `logits_fn` over (x, y) in batches."""
     correct, loss_sum = 0, 0.0
     class_correct = torch.zeros(num_classes, dtype=torch.int64)
     for start in range(0, len(y), batch_size):

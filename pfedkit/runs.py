@@ -30,6 +30,7 @@ from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_text
 from pfedkit.config import Config, ConfigError, load_config, per_client_model_options
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
+from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.processes import ProcessRuntime
 from pfedkit.engine.runtime import SequentialRuntime
@@ -198,6 +199,7 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
     """The configured runtime; `archs`: the run's Architectures (or one model builder)."""
     if not isinstance(archs, Architectures):
         archs = Architectures(archs)
+    retain_freed_memory()  # every runtime (forked workers inherit it): no page faults per step
     settings = train_settings(config)
     build, extra = archs.build, {"builds": archs.builds, "model_keys": archs.model_keys}
     if config.backend == "sequential":

@@ -9,7 +9,7 @@ An algorithm never owns a round loop. The engine (`pfedkit.engine.simulate`) cal
         gen = algo.client_update(rnd, cid, client_state, message, data)
         params = yield Fit(...)   # a training request; the runtime answers with trained params
         ... return new_client_state, reply_message
-    server = algo.aggregate(rnd, server, replies)
+    server = algo.aggregate(rnd, server, replies)   # through start_aggregation: fed reply by reply
     model used by client cid = algo.client_model(cid, server, client_state)   # for evaluation
 
 Before round 1 the engine asks EVERY client for `client_report(0, ...)`: the setup-time exchange
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
+from pfedkit.algorithms.aggregation import Aggregation, CollectReplies
 from pfedkit.algorithms.params import Params
 
 Message = dict[str, Any]
@@ -297,6 +299,14 @@ class Algorithm:
 
     def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
         return server
+
+    def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
+        """How the server receives round `rnd`'s replies from the participants `cids`: an object
+        fed each reply as it comes (`add`) that returns the new server state (`finish`). Default:
+        keep them all and call `aggregate`. A method whose aggregate is a running sum returns one
+        that folds each reply and drops it (`pfedkit.algorithms.aggregation`), so the server's
+        memory does not grow with the number of participants."""
+        return CollectReplies(partial(self.aggregate, rnd, server))
 
     def client_model(self, cid: int, server: Any, client: Any) -> Params:
         """The parameters client `cid` would predict with now (what evaluation measures)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.params import Params, clone, weighted_mean
 
@@ -39,6 +40,9 @@ class FedAvg(Algorithm):
         if not replies:
             return server
         return {"params": fedavg_aggregate(replies)}
+
+    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
+        return params_mean_aggregation(self, FedAvg, rnd, server, cids, "params")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         return server["params"]

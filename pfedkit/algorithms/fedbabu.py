@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.fedavg import fedavg_aggregate
 from pfedkit.algorithms.params import Params, clone, merge, select
@@ -50,6 +51,9 @@ class FedBABU(Algorithm):
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
         return {"body": fedavg_aggregate(replies)} if replies else server
+
+    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
+        return params_mean_aggregation(self, FedBABU, rnd, server, cids, "body")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return merge(server["body"], client["head"])

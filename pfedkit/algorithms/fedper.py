@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.fedavg import fedavg_aggregate
 from pfedkit.algorithms.params import Params, clone, merge, select
@@ -44,6 +45,9 @@ class FedPer(Algorithm):
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
         return {"shared": fedavg_aggregate(replies)} if replies else server
+
+    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
+        return params_mean_aggregation(self, FedPer, rnd, server, cids, "shared")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return merge(server["shared"], client["private"])

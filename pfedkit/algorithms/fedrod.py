@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
 from pfedkit.algorithms.fedavg import fedavg_aggregate
 from pfedkit.algorithms.params import Params, clone, linear_layer_names, select
@@ -146,6 +147,9 @@ class FedRoD(Algorithm):
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
         return {"params": fedavg_aggregate(replies)} if replies else server
+
+    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
+        return params_mean_aggregation(self, FedRoD, rnd, server, cids, "params")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """Global body + (generic head + personal head), see `with_personal_head`."""

@@ -52,22 +52,38 @@ def clone(params: Params) -> Params:
     return {name: value.detach().clone() for name, value in params.items()}
 
 
-def weighted_mean(params_list: Sequence[Params], weights: Iterable[float]) -> Params:
-    """WMean({w_j}, {a_j}) = sum_j a_j w_j / sum_j a_j, entry by entry (float64 weights)."""
+def mean_shares(weights: Iterable[float]) -> list[float]:
+    """a_j / sum_k a_k for each weight (the sum taken in the given order)."""
     weights = [float(w) for w in weights]
-    if len(weights) != len(params_list) or not params_list:
-        raise ValueError("weighted_mean needs one weight per parameter set and at least one set")
     total = sum(weights)
     if total <= 0:
         raise ValueError(f"weighted_mean: weights must sum to a positive number, got {weights}")
-    shares = [w / total for w in weights]
-    out: Params = {}
-    for name in params_list[0]:
-        acc = torch.zeros_like(params_list[0][name])
-        for share, params in zip(shares, params_list):
+    return [w / total for w in weights]
+
+
+class WeightedSum:
+    """sum_j s_j w_j over parameter sets added one at a time: entry by entry, in the order added
+    (so a running sum equals the sum over a list in that order, bit for bit)."""
+
+    def __init__(self) -> None:
+        self.total: Params | None = None
+
+    def add(self, params: Params, share: float) -> None:
+        if self.total is None:
+            self.total = {name: torch.zeros_like(value) for name, value in params.items()}
+        for name, acc in self.total.items():
             acc.add_(params[name], alpha=share)
-        out[name] = acc
-    return out
+
+
+def weighted_mean(params_list: Sequence[Params], weights: Iterable[float]) -> Params:
+    """WMean({w_j}, {a_j}) = sum_j a_j w_j / sum_j a_j, entry by entry (float64 weights)."""
+    weights = list(weights)
+    if len(weights) != len(params_list) or not params_list:
+        raise ValueError("weighted_mean needs one weight per parameter set and at least one set")
+    running = WeightedSum()
+    for share, params in zip(mean_shares(weights), params_list):
+        running.add(params, share)
+    return running.total
 
 
 def interpolate(a: Params, b: Params, t: float) -> Params:

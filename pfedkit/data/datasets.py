@@ -1,8 +1,8 @@
 """Dataset loaders: the embedded `digits` set and the offline image sets of `../shared/datasets/`.
 
-Every loader returns a `Dataset`: uint8-free float32 images normalised as the papers do
-(PFLlib: ToTensor then Normalize(0.5, 0.5) -> values in [-1, 1]), integer labels, and a boolean
-mask of the official test split. Image files are `<name>/<name>.npz.xz` (an xz-wrapped `.npz`
+Every loader returns a `Dataset`: the images as stored (uint8), which its `rows` turns into
+float32 normalised as the papers do (PFLlib: ToTensor then Normalize(0.5, 0.5) -> values in
+[-1, 1]), integer labels, and a boolean mask of the official test split. Image files are `<name>/<name>.npz.xz` (an xz-wrapped `.npz`
 with arrays x, y, test), checked against `SHA256SUMS` when the data directory has one, and
 decompressed once into a local cache so later runs skip the slow xz decoding.
 """
@@ -48,15 +48,29 @@ DATASETS: dict[str, DatasetInfo] = {
 
 @dataclass(frozen=True)
 class Dataset:
+    """A dataset as stored: images stay uint8 ((N, H, W) or (N, H, W, C), 4x smaller than
+    float32) and are normalised when a client's rows are gathered (`rows`), so the process holds
+    the float32 data once, in the clients' tensors. Features (digits) are stored as float32."""
     name: str
-    x: np.ndarray          # float32, (N, C, H, W) or (N, D), normalised to [-1, 1]
+    stored: np.ndarray     # uint8 images as in the file, or float32 features (N, D) in [-1, 1]
     y: np.ndarray          # int64 (N,)
     official_test: np.ndarray  # bool (N,): True for the official test split
     num_classes: int
 
+    def rows(self, index) -> np.ndarray:
+        """float32 rows `index`, (n, C, H, W) or (n, D), normalised to [-1, 1] (the same values,
+        bit for bit, as normalising the whole set and then indexing)."""
+        picked = self.stored[index]
+        return _normalise_images(picked) if self.stored.ndim >= 3 else picked  # images, or features
+
+    @property
+    def x(self) -> np.ndarray:
+        """Every row, normalised (a new float32 array: for inspection, not for training loops)."""
+        return self.rows(slice(None))
+
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.x.shape[1:])
+        return tuple(self.rows(slice(0, 1)).shape[1:])
 
 
 def dataset_info(name: str) -> DatasetInfo:
@@ -82,8 +96,8 @@ def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None =
     key = (name, str(root.resolve()), str(_cache_root(cache_dir)))
     if key not in _LOADED:  # runs of a comparison in one process decode and normalise once
         x, y, test = _read_npz(root, name, _cache_root(cache_dir))
-        _LOADED.clear()  # one dataset held at a time: CIFAR-10 as float32 is ~0.7 GB
-        _LOADED[key] = Dataset(name, _normalise_images(x), y.astype(np.int64), test.astype(bool), info.num_classes)
+        _LOADED.clear()  # one dataset held at a time
+        _LOADED[key] = Dataset(name, x, y.astype(np.int64), test.astype(bool), info.num_classes)
     return _LOADED[key]
 
 

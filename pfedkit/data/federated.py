@@ -88,7 +88,7 @@ def client_data(dataset: Dataset, cid: int, train: np.ndarray, test: np.ndarray,
                 channels_last: bool = False) -> ClientData:
     """Client `cid`'s tensors: rows `train` and `test` of the dataset (a Flower node builds only its own)."""
     def rows(index: np.ndarray) -> torch.Tensor:
-        out = torch.from_numpy(dataset.x[np.asarray(index, dtype=np.int64)])
+        out = torch.from_numpy(dataset.rows(np.asarray(index, dtype=np.int64)))
         return out.contiguous(memory_format=torch.channels_last) if channels_last and out.dim() == 4 else out
 
     labels = torch.from_numpy(dataset.y)

@@ -3,7 +3,7 @@
 The same division of work as the `processes` backend, on Ray instead of a fork pool: `workers`
 actors (default: the cluster's CPUs), each a `ClientWorker` with `threads` torch threads (1 by
 default), get the federation's data once through Ray's object store; a round's jobs go out
-largest client first and an idle actor takes the next one. Every job carries its own seeds, so
+in `dispatch_order` and an idle actor takes the next one. Every job carries its own seeds, so
 results are identical to `processes` (and to `sequential` with the same thread count), whatever
 the number of actors or machines.
 
@@ -14,14 +14,14 @@ local Ray for the run and stops it after.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 from torch import nn
 
 from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.processes import default_workers
-from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, largest_first,
+from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order,
                                     split_custom_predict)
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
@@ -58,8 +58,11 @@ class RayRuntime:
         self.pool = ActorPool(self.actors)
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 
+    def fit_stream(self, jobs: list[FitJob]) -> Iterator[tuple[int, FitOutcome]]:
+        yield from self.pool.map_unordered(lambda worker, job: worker.fit.remote(job), dispatch_order(jobs, self.data))
+
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        return dict(self.pool.map_unordered(lambda worker, job: worker.fit.remote(job), largest_first(jobs, self.data)))
+        return dict(self.fit_stream(jobs))
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         return split_custom_predict(items, self.local_evaluator, self.data, lambda remote: dict(

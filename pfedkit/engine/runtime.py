@@ -1,19 +1,26 @@
 """Runtimes answer a round's training requests and evaluate clients; the sequential one is the
-reference. Every runtime has the same two methods, so the round loop never knows which runs:
+reference. Every runtime has the same methods, so the round loop never knows which runs:
 
-    fit_many(jobs) -> {cid: FitOutcome}          # all participants' pending Fit requests
+    fit_stream(jobs) -> iterator of (cid, FitOutcome), in any order, as they are done (the list is
+                        emptied as jobs are handed out, so their inputs can be freed early)
+    fit_many(jobs) -> {cid: FitOutcome}          # all of them at once
     evaluate_many(items) -> {cid: ClientEval}    # (cid, params, buffers) per client
+
+The round loop consumes `fit_stream`, so a result can be folded into the aggregate and dropped
+before the next one arrives: memory stays flat in the number of clients.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from pfedkit.algorithms.params import Params
 from pfedkit.data.federated import FederatedData
+from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 
@@ -90,6 +97,7 @@ class ClientWorker:
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
                  model_keys: Sequence[Hashable] | None = None) -> None:
         torch.set_num_threads(threads)
+        retain_freed_memory()  # a Ray actor is a process of its own
         self.trainers = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
         self.evaluators = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
         self.data = data
@@ -117,8 +125,26 @@ def split_custom_predict(items: list[EvalItem], evaluators: ByArchitecture, data
     return results
 
 
-def largest_first(jobs: list[FitJob], data: FederatedData) -> list[FitJob]:
-    """Jobs by decreasing client size: idle workers pulling the next job then balance the load."""
+def handed_out(items: list) -> Iterator:
+    """The items of `items` one by one, each removed from the list (and from here) as it is
+    handed out: nothing keeps a job's inputs alive after its result is taken."""
+    queue = collections.deque(items)
+    items.clear()
+    while queue:
+        yield queue.popleft()
+
+
+# Up to this many jobs a parallel runtime sends the largest clients first; beyond, in client order.
+LARGEST_FIRST_MAX_JOBS = 64
+
+
+def dispatch_order(jobs: list[FitJob], data: FederatedData) -> list[FitJob]:
+    """The order a parallel runtime hands jobs to idle workers. Few jobs: by decreasing client
+    size, which balances the load (the last job to finish is a small one). Many jobs: by client
+    id, the order in which the round loop folds results; results then arrive nearly in that order
+    and few wait for their turn in memory, while the load is balanced by their number."""
+    if len(jobs) > LARGEST_FIRST_MAX_JOBS:
+        return sorted(jobs, key=lambda job: job.cid)
     return sorted(jobs, key=lambda job: (-data.clients[job.cid].n_train, job.cid))
 
 
@@ -135,10 +161,16 @@ class SequentialRuntime:
         self.trainer, self.evaluator = self.trainers.default, self.evaluators.default  # default architecture
         self.data = data
 
+    def fit_stream(self, jobs: list[FitJob]) -> Iterator[tuple[int, FitOutcome]]:
+        queue = handed_out(jobs)
+        for job in queue:
+            client = self.data.clients[job.cid]
+            with thread_count(self.threads):
+                outcome = self.trainers(job.cid).fit(job, client.x_train, client.y_train)
+            yield job.cid, outcome
+
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        with thread_count(self.threads):
-            return {job.cid: self.trainers(job.cid).fit(job, self.data.clients[job.cid].x_train,
-                                              self.data.clients[job.cid].y_train) for job in jobs}
+        return dict(self.fit_stream(jobs))
 
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         out = {}

@@ -11,7 +11,7 @@ import time
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence, Sequence
 
 import numpy as np
 
@@ -50,32 +50,41 @@ class RoundReport:
     train_samples: int
 
 
-def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: list[Any],
-                  optimizer_states: list[dict[str, Any]] | None = None
-                  ) -> tuple[dict[int, Any], dict[int, Message], dict[int, dict]]:
-    """Run every participant's client_update to completion; returns states, replies, train stats.
+def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: MutableSequence | dict,
+                  buffers: list[Any], optimizer_states: list[dict[str, Any]] | None = None,
+                  receive: Callable[[int, Message], None] | None = None, keep_trained: bool = False
+                  ) -> dict[int, dict]:
+    """Run every participant's client_update to completion; returns the train stats.
 
-    `buffers[cid]` (BatchNorm statistics) and, when given, `optimizer_states[cid]` (kept optimizer
-    state, one entry per `Fit.optimizer` name) are read into each job and updated in place."""
-    states, replies, stats = {}, {}, {cid: {"loss": 0.0, "steps": 0, "samples": 0} for cid in updates}
+    Each step, every pending Fit goes to the runtime at once; results are taken as the runtime
+    streams them and each client's update resumes in client order (a result that comes before its
+    turn waits). When a client_update returns, its new state replaces `clients[cid]` at once (the
+    old one is freed then, not at the end of the round) and `receive(cid, reply)` gets the reply,
+    which nothing here keeps. `buffers[cid]` (BatchNorm statistics) and, when given,
+    `optimizer_states[cid]` (kept optimizer state, one entry per `Fit.optimizer` name) are read
+    into each job and updated in place. `keep_trained`: keep each client's last trained model in
+    its stats (`eval_point=after_local_training`)."""
+    stats = {cid: {"loss": 0.0, "steps": 0, "samples": 0} for cid in updates}
     pending, counts = {}, {cid: 0 for cid in updates}
 
     def advance(cid: int, value: Any, first: bool) -> None:
         try:
             pending[cid] = next(updates[cid]) if first else updates[cid].send(value)
         except StopIteration as stop:
-            states[cid], replies[cid] = _check_result(cid, stop.value)
+            clients[cid], reply = _check_result(cid, stop.value)
+            if receive is not None:
+                receive(cid, reply)
 
     for cid in updates:
         advance(cid, None, True)
     while pending:
-        jobs = [FitJob(rnd, cid, counts[cid], request, buffers[cid],
-                       optimizer_states[cid].get(request.optimizer) if optimizer_states is not None else None)
-                for cid, request in sorted(pending.items())]
-        outcomes = runtime.fit_many(jobs)
+        jobs = {cid: FitJob(rnd, cid, counts[cid], request, buffers[cid],
+                            optimizer_states[cid].get(request.optimizer) if optimizer_states is not None else None)
+                for cid, request in sorted(pending.items())}
         pending = {}
-        for job in jobs:
-            outcome = outcomes[job.cid]
+        # The runtime empties the list as it hands jobs out and `_in_client_order` drops each job
+        # once its result is used, so a client's old model is freed as soon as its new one exists.
+        for job, outcome in _in_client_order(jobs, runtime.fit_stream(list(jobs.values()))):
             buffers[job.cid] = outcome.buffers
             if optimizer_states is not None and outcome.optimizer_state is not None:
                 optimizer_states[job.cid][job.request.optimizer] = outcome.optimizer_state
@@ -83,9 +92,23 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, buffers: 
             stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
             stats[job.cid]["steps"] += outcome.steps
             stats[job.cid]["samples"] += outcome.samples
-            stats[job.cid]["trained"] = outcome.params  # the model after local training (eval_point)
+            if keep_trained:
+                stats[job.cid]["trained"] = outcome.params  # the model after local training (eval_point)
             advance(job.cid, outcome.params, False)
-    return states, replies, stats
+    return stats
+
+
+def _in_client_order(jobs: dict[int, FitJob], stream: Iterable[tuple[int, Any]]) -> Iterator[tuple[FitJob, Any]]:
+    """(job, outcome) in increasing client id, from outcomes streamed in any order."""
+    order, early = iter(sorted(jobs)), {}
+    turn = next(order, None)
+    for cid, outcome in stream:
+        early[cid] = outcome
+        while turn in early:
+            yield jobs.pop(turn), early.pop(turn)
+            turn = next(order, None)
+    if early or turn is not None:
+        raise RuntimeError(f"the runtime returned no result for client {turn}")
 
 
 def _check_result(cid: int, value: Any) -> tuple[Any, Message]:
@@ -126,17 +149,21 @@ class LocalClients:
                 reports[cid] = report
         return reports
 
-    def train(self, rnd: int, messages: dict[int, Message], cids: list[int], state: SimState
-              ) -> tuple[dict[int, Message], dict[int, dict]]:
-        """Run `cids`' client updates; their new states replace the old ones; returns replies, stats."""
-        algo = self.algorithm
+    def train(self, rnd: int, messages: dict[int, Message], cids: list[int], state: SimState,
+              receive: Callable[[int, Message], None]) -> tuple[dict[int, int], dict[int, dict]]:
+        """Run `cids`' client updates; each new state replaces the old one; each reply goes to
+        `receive(cid, reply)` as soon as it exists. Returns ({cid: reply bytes}, train stats)."""
+        algo, reply_bytes = self.algorithm, {}
+
+        def deliver(cid: int, reply: Message) -> None:
+            reply_bytes[cid] = message_bytes(reply)
+            receive(cid, reply)
+
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                            self.client_view(cid, state)) for cid in cids}
-        new_states, replies, stats = drive_clients(updates, self.runtime, rnd, state.buffers,
-                                                   state.optimizer_states or None)
-        for cid, client_state in new_states.items():
-            state.clients[cid] = client_state
-        return replies, stats
+        stats = drive_clients(updates, self.runtime, rnd, state.clients, state.buffers, state.optimizer_states or None,
+                              deliver, keep_trained=self.eval_point == "after_local_training")
+        return reply_bytes, stats
 
     def evaluated_model(self, cid: int, state: SimState, stats: dict[int, dict]):
         """settings.md §4.1: "after_download" = the model the client would use now, after the
@@ -220,12 +247,13 @@ class Simulation:
         cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
-        replies, stats = self.clients.train(rnd, messages, cids, state)
-        state.server = algo.aggregate(rnd, state.server, replies)
+        aggregation = algo.start_aggregation(rnd, state.server, cids)
+        reply_bytes, stats = self.clients.train(rnd, messages, cids, state, aggregation.add)
+        state.server = aggregation.finish()
         trained = time.perf_counter()
         evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
         evaluated = time.perf_counter()
-        state.rows.extend(self._rows(rnd, cids, messages, reported, replies, stats, evals))
+        state.rows.extend(self._rows(rnd, cids, messages, reported, reply_bytes, stats, evals))
         state.round = rnd
         state.seconds += evaluated - started
         weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
@@ -244,8 +272,9 @@ class Simulation:
         state.head_row_norms = np.stack([norms.get(k, np.full(c, np.nan)) for k in range(n)])
         return evals
 
-    def _rows(self, rnd, cids, messages, reported, replies, stats, evals) -> list[dict]:
-        """One metrics row per client; `reported`: bytes of the round's client_report uploads.
+    def _rows(self, rnd, cids, messages, reported, reply_bytes, stats, evals) -> list[dict]:
+        """One metrics row per client; `reported`: bytes of the round's client_report uploads,
+        `reply_bytes`: bytes of each reply received.
         `dropped` marks a participant whose reply never came (a Flower node that died or timed out)."""
         rows, joined = [], set(cids)
         for cid, client in enumerate(self.data.clients):
@@ -261,7 +290,7 @@ class Simulation:
                 "train_loss": stats[cid]["loss"] / steps if steps else np.nan,
                 "train_steps": steps,
                 "bytes_down": message_bytes(messages.get(cid)) if cid in joined else 0,
-                "bytes_up": (message_bytes(replies.get(cid)) + reported.get(cid, 0)) if cid in joined else 0,
-                "dropped": int(cid in joined and rnd > 0 and cid not in replies),
+                "bytes_up": (reply_bytes.get(cid, 0) + reported.get(cid, 0)) if cid in joined else 0,
+                "dropped": int(cid in joined and rnd > 0 and cid not in reply_bytes),
             })
         return rows

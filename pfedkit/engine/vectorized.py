@@ -159,6 +159,10 @@ class VectorizedRuntime:
         with thread_count(self.threads):
             return self._fit_all(jobs)
 
+    def fit_stream(self, jobs: list[FitJob]):
+        """One batched computation: every result is ready at once."""
+        yield from self.fit_many(jobs).items()
+
     def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         outcomes: dict[int, FitOutcome] = {}
         if self.batchable is not None:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pfedkit.algorithms.base import Message as AlgoMessage
+from pfedkit.algorithms.base import Message as AlgoMessage, message_bytes
 from pfedkit.config import Config
 from pfedkit.engine.simulate import SimState
 from pfedkit.evaluation import ClientEval
@@ -84,12 +85,15 @@ class FlowerClients:
         answers = self._exchange("report", rnd, {cid: None for cid in cids}, MessageType.QUERY)
         return {cid: report for cid, report in answers.items() if report is not None}
 
-    def train(self, rnd: int, messages: dict[int, AlgoMessage], cids: list[int], state: SimState
-              ) -> tuple[dict[int, AlgoMessage], dict[int, dict]]:
+    def train(self, rnd: int, messages: dict[int, AlgoMessage], cids: list[int], state: SimState,
+              receive: Callable[[int, AlgoMessage], None]) -> tuple[dict[int, int], dict[int, dict]]:
         answers = self._exchange("train", rnd, {cid: messages.get(cid, {}) for cid in cids}, MessageType.TRAIN)
-        replies = {cid: answer["reply"] for cid, answer in answers.items()}
+        reply_bytes = {}
+        for cid in sorted(answers):
+            reply_bytes[cid] = message_bytes(answers[cid]["reply"])
+            receive(cid, answers[cid]["reply"])
         stats = {cid: {key: answer[key] for key in ("loss", "steps", "samples")} for cid, answer in answers.items()}
-        return replies, stats
+        return reply_bytes, stats
 
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
