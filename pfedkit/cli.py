@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
     p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false)")
     p_bench.add_argument("--rounds", type=int, default=3)
-    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized"])
+    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized", "ray"])
     p_bench.add_argument("--workers", type=int, default=None)
     p_bench.add_argument("--clients", type=int, default=20)
     p_bench.add_argument("--dataset", default="mnist")
@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench.add_argument("--algorithm", default="fedavg")
     p_bench.add_argument("--alpha", type=float, default=0.1)
     p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p_bench.add_argument("--compile", action="store_true", help="torch.compile the local training step")
+    p_bench.add_argument("--parity", action="store_true",
+                         help="also run 10 rounds at fp32 and at bf16 and compare their accuracy")
     p_bench.set_defaults(func=cmd_bench)
 
     from pfedkit.flower.commands import add_parser as add_flower_parser

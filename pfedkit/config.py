@@ -146,6 +146,8 @@ class Config(BaseModel):
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
     precision: Literal["fp32", "bf16"] = "fp32"
+    compile: bool = Field(False, description="torch.compile each client's model for local training (inductor); "
+                          "falls back to eager with a warning where compiling fails")
     channels_last: bool = Field(True, description="channels_last memory format for conv models")
     data_dir: str | None = None
     preset: str | None = Field(None, description="a shipped set of defaults (pfedkit list); the file and "

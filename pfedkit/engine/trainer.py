@@ -8,6 +8,7 @@ mini-batch is one index gather; no DataLoader.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class TrainSettings:
     precision: str = "fp32"
     seed: int = 0
     keep_optimizer_state: bool = False
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,11 @@ class LocalTrainer:
         self.settings = settings
         self.parameters = dict(self.model.named_parameters())
         self.buffers = dict(self.model.named_buffers())
+        self.body_and_head = compiled(self._body_and_head) if settings.compile else self._body_and_head
+
+    def _body_and_head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.model.body(x)
+        return features, self.model.head(features)
 
     def fit(self, job: FitJob, x: torch.Tensor, y: torch.Tensor) -> FitOutcome:
         request, s = job.request, self.settings
@@ -168,17 +175,28 @@ class LocalTrainer:
         return {**self.parameters, **extra}
 
     def _step(self, request: Fit, optimizer, live, trainable, xb, yb, index) -> float:
-        optimizer.zero_grad(set_to_none=True)
-        with self._precision():
-            features = self.model.body(xb)
-            logits = self.model.head(features)
-        out = Forward(features.float(), logits.float(), index)
-        loss = request.loss(out, yb, live, request.context)
-        loss.backward()
+        try:
+            loss = self._loss_and_backward(request, optimizer, live, xb, yb, index)
+        except Exception as err:  # noqa: BLE001 - a compiler failure surfaces as any exception
+            if self.body_and_head == self._body_and_head:
+                raise
+            warnings.warn(f"compile=true: torch.compile failed ({type(err).__name__}: {str(err)[:200]}); "
+                          "training eagerly instead", RuntimeWarning, stacklevel=2)
+            self.body_and_head = self._body_and_head  # nothing was updated yet: redo the step eagerly
+            loss = self._loss_and_backward(request, optimizer, live, xb, yb, index)
         if self.settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_([live[n] for n in trainable], self.settings.grad_clip, foreach=True)
         optimizer.step()
         return float(loss.detach())
+
+    def _loss_and_backward(self, request: Fit, optimizer, live, xb, yb, index) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with self._precision():
+            features, logits = self.body_and_head(xb)
+        out = Forward(features.float(), logits.float(), index)
+        loss = request.loss(out, yb, live, request.context)
+        loss.backward()
+        return loss
 
     def _precision(self):
         if self.settings.precision == "bf16":
@@ -233,6 +251,16 @@ class LocalTrainer:
         if not self.buffers:
             return None
         return {name: t.detach().clone() for name, t in self.buffers.items()}
+
+
+def compiled(forward: Callable) -> Callable:
+    """`torch.compile(forward)` (inductor). Dropout masks are drawn as in eager mode
+    (`fallback_random`), so a compiled run differs from an eager one only by floating-point
+    rounding of the fused kernels."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True
+    return torch.compile(forward)
 
 
 class _Tools:

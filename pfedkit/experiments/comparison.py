@@ -28,7 +28,8 @@ from pfedkit.config import Config, ConfigError, load_config
 MANIFEST = "comparison.json"
 # Keys that say where or how fast a run executes, not what it computes (runs are identical across
 # backends and worker counts): a resumed comparison may change them.
-EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every", "ray", "flower")
+EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every", "ray", "flower",
+                  "compile")
 
 
 @dataclass(frozen=True)
