@@ -22,6 +22,9 @@ from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
 
 
+EVAL_BLOCK = 128  # clients evaluated together (a runtime evaluates a block in parallel)
+
+
 @dataclass
 class SimState:
     """Everything a resumed run needs; checkpointed after rounds."""
@@ -177,7 +180,18 @@ class LocalClients:
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         """Each of `cids` evaluates its model on its test data: {cid: ClientEval}, and {cid: the
-        output layer's row norms} (nan: no Linear head)."""
+        output layer's row norms} (nan: no Linear head). Clients go in blocks of EVAL_BLOCK, so
+        the models built for evaluation (a mix per client for APFL, an adapted copy for FedBABU)
+        are held for one block at a time, not for every client at once."""
+        evals, norms = {}, {}
+        for start in range(0, len(cids), EVAL_BLOCK):
+            block_evals, block_norms = self._evaluate_block(rnd, cids[start:start + EVAL_BLOCK], state, stats)
+            evals.update(block_evals)
+            norms.update(block_norms)
+        return evals, norms
+
+    def _evaluate_block(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
+                        ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         algo = self.algorithm
         custom = algo.has_custom_predict()
         models = {cid: (self.evaluated_model(cid, state, stats), state.buffers[cid]) for cid in cids}
