@@ -248,3 +248,16 @@ def test_bf16_is_refused_on_a_cpu_without_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     with pytest.raises(ConfigError, match="native bf16"):
         prepare(load_config({"precision": "bf16", "rounds": 1}))
+
+
+def test_client_states_that_cannot_fit_in_memory_are_refused_before_building(small_config, monkeypatch, tmp_path):
+    from pfedkit.engine import simulate
+
+    monkeypatch.setattr(simulate, "available_memory", lambda: 100 * 1024)  # 100 KB left
+    built = []
+    original = get_algorithm("local").init_client
+    monkeypatch.setattr(get_algorithm("local"), "init_client", lambda self, cid, p: built.append(cid) or original(self, cid, p))
+    with pytest.raises(ConfigError, match="MB per client"):
+        pfedkit.run({**small_config, "algorithm": "local", "num_clients": 40})
+    assert built == [0]  # only the one state used to measure
+    assert not (tmp_path / "runs").exists()  # no run directory

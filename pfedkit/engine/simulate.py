@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequen
 import numpy as np
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
+from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
@@ -51,6 +52,29 @@ class RoundReport:
     train_seconds: float
     eval_seconds: float
     train_samples: int
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_state_memory(per_client: int, clients: int) -> None:
+    """Stop before building client states that cannot fit in memory (a swapping or killed run
+    helps nobody): one line with the sizes and the ways out."""
+    available = available_memory()
+    needed = per_client * clients
+    if available is not None and needed > 0.9 * available:
+        raise ConfigError(f"num_clients={clients}: the algorithm keeps {per_client / 2**20:.1f} MB per client, "
+                          f"{needed / 2**30:.1f} GB in all, and this machine has {available / 2**30:.1f} GB "
+                          "available; use fewer clients, a smaller model, or an algorithm that keeps less per client")
 
 
 def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: MutableSequence | dict,
@@ -134,7 +158,10 @@ class LocalClients:
         self.num_classes, self.eval_point = num_classes, eval_point
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
-        """Every client's initial state, from its initial weights."""
+        """Every client's initial state, from its initial weights (refused, before any is built,
+        when they would not fit in the memory this machine has available)."""
+        if params:
+            check_state_memory(message_bytes(self.algorithm.init_client(0, params[0])), len(params))
         state.clients = [self.algorithm.init_client(cid, p) for cid, p in enumerate(params)]
         state.buffers = list(buffers)
         state.optimizer_states = [{} for _ in params] if keep_optimizer_state else []
