@@ -18,8 +18,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
-import numpy as np
-
 from pfedkit.algorithms.params import Params, WeightedSum, mean_shares
 
 Message = dict[str, Any]
@@ -94,16 +92,12 @@ class SampleWeightedMean:
         self.folded.append(cid)
 
 
-def sample_weighted_mean(train_counts: np.ndarray, cids: list[int], key: str, result: Callable[[Params], Any],
-                         empty: Any) -> SampleWeightedMean:
-    """FedAvg's n_i-weighted mean of `reply[key]` over `cids`, n_i from the setup's class counts."""
-    return SampleWeightedMean(key, {cid: float(train_counts[cid].sum()) for cid in cids}, result, empty)
-
-
 def params_mean_aggregation(algorithm, defining: type, rnd: int, server: Any, cids: list[int], server_key: str):
     """The streamed form of `{server_key: fedavg_aggregate(replies)} if replies else server` (the
     n_i-weighted mean of the replies' "params"), for an algorithm whose `aggregate` is that and is
     defined by `defining`; a subclass that aggregates otherwise gets the batch default."""
     if type(algorithm).aggregate is not defining.aggregate:
         return CollectReplies(partial(algorithm.aggregate, rnd, server))
-    return sample_weighted_mean(algorithm.setup.train_counts, cids, "params", lambda mean: {server_key: mean}, server)
+    counts = algorithm.setup.train_counts  # n_i: the participants' training-set sizes
+    return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},
+                              lambda mean: {server_key: mean}, server)

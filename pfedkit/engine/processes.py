@@ -8,9 +8,10 @@ shared with them once, never copied per round). Each worker owns a `LocalTrainer
 carries its own seeds, so results are identical to the sequential backend run with the same
 thread count, whatever the number of workers.
 
-Jobs and results travel through `pfedkit.engine.transport`: the tensors that several jobs carry
-(the broadcast model) are written once per wave into a shared arena mapped by every worker, the
-rest goes by value as raw bytes; results stream back as they are done (`fit_stream`).
+Jobs and results travel through `pfedkit.engine.transport` (`Channels`): the tensors that several
+jobs carry (the broadcast model) are written once per wave into a shared arena mapped by every
+worker, a job's own tensors go through an inbox slot ring and results through an outbox ring;
+only references go through the pool's pipes. Results stream back as they are done (`fit_stream`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from pfedkit.algorithms.base import message_bytes
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine import transport
 from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order,
@@ -92,8 +94,7 @@ def _evaluate(payload: bytes) -> bytes:
 
 
 def model_bytes(build: Callable[[], nn.Module]) -> int:
-    model = build()
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return message_bytes(build().state_dict())
 
 
 def default_workers() -> int:

@@ -160,9 +160,10 @@ class LocalClients:
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
         """Every client's initial state, from its initial weights (refused, before any is built,
         when they would not fit in the memory this machine has available)."""
-        if params:
-            check_state_memory(message_bytes(self.algorithm.init_client(0, params[0])), len(params))
-        state.clients = [self.algorithm.init_client(cid, p) for cid, p in enumerate(params)]
+        first = [self.algorithm.init_client(0, params[0])] if params else []
+        if first:
+            check_state_memory(message_bytes(first[0]), len(params))
+        state.clients = first + [self.algorithm.init_client(cid, p) for cid, p in enumerate(params) if cid > 0]
         state.buffers = list(buffers)
         state.optimizer_states = [{} for _ in params] if keep_optimizer_state else []
 
@@ -180,20 +181,14 @@ class LocalClients:
         return reports
 
     def train(self, rnd: int, messages: dict[int, Message], cids: list[int], state: SimState,
-              receive: Callable[[int, Message], None]) -> tuple[dict[int, int], dict[int, dict]]:
+              receive: Callable[[int, Message], None]) -> dict[int, dict]:
         """Run `cids`' client updates; each new state replaces the old one; each reply goes to
-        `receive(cid, reply)` as soon as it exists. Returns ({cid: reply bytes}, train stats)."""
-        algo, reply_bytes = self.algorithm, {}
-
-        def deliver(cid: int, reply: Message) -> None:
-            reply_bytes[cid] = message_bytes(reply)
-            receive(cid, reply)
-
+        `receive(cid, reply)` as soon as it exists. Returns the train stats."""
+        algo = self.algorithm
         updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                            self.client_view(cid, state)) for cid in cids}
-        stats = drive_clients(updates, self.runtime, rnd, state.clients, state.buffers, state.optimizer_states or None,
-                              deliver, keep_trained=self.eval_point == "after_local_training")
-        return reply_bytes, stats
+        return drive_clients(updates, self.runtime, rnd, state.clients, state.buffers, state.optimizer_states or None,
+                             receive, keep_trained=self.eval_point == "after_local_training")
 
     def evaluated_model(self, cid: int, state: SimState, stats: dict[int, dict]):
         """settings.md §4.1: "after_download" = the model the client would use now, after the
@@ -288,8 +283,13 @@ class Simulation:
         cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
-        aggregation = algo.start_aggregation(rnd, state.server, cids)
-        reply_bytes, stats = self.clients.train(rnd, messages, cids, state, aggregation.add)
+        aggregation, reply_bytes = algo.start_aggregation(rnd, state.server, cids), {}
+
+        def receive(cid: int, reply: Message) -> None:
+            reply_bytes[cid] = message_bytes(reply)  # counted here, then held by nobody but the aggregation
+            aggregation.add(cid, reply)
+
+        stats = self.clients.train(rnd, messages, cids, state, receive)
         state.server = aggregation.finish()
         trained = time.perf_counter()
         evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}

@@ -118,7 +118,7 @@ def _report(node: NodeClient, rnd: int, stored: dict, payload: Any) -> Any:
 def _train(node: NodeClient, rnd: int, stored: dict, message: Any) -> dict[str, Any]:
     state = _one_client_state(node, stored)
     replies = {}
-    _, stats = node.clients.train(rnd, {node.cid: message}, [node.cid], state, replies.__setitem__)
+    stats = node.clients.train(rnd, {node.cid: message}, [node.cid], state, replies.__setitem__)
     stored.update(client=state.clients[node.cid], buffers=state.buffers[node.cid])
     if state.optimizer_states:
         stored["optimizer"] = state.optimizer_states[node.cid]

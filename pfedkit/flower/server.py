@@ -30,7 +30,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pfedkit.algorithms.base import Message as AlgoMessage, message_bytes
+from pfedkit.algorithms.base import Message as AlgoMessage
 from pfedkit.config import Config
 from pfedkit.engine.simulate import SimState
 from pfedkit.evaluation import ClientEval
@@ -86,14 +86,11 @@ class FlowerClients:
         return {cid: report for cid, report in answers.items() if report is not None}
 
     def train(self, rnd: int, messages: dict[int, AlgoMessage], cids: list[int], state: SimState,
-              receive: Callable[[int, AlgoMessage], None]) -> tuple[dict[int, int], dict[int, dict]]:
+              receive: Callable[[int, AlgoMessage], None]) -> dict[int, dict]:
         answers = self._exchange("train", rnd, {cid: messages.get(cid, {}) for cid in cids}, MessageType.TRAIN)
-        reply_bytes = {}
         for cid in sorted(answers):
-            reply_bytes[cid] = message_bytes(answers[cid]["reply"])
             receive(cid, answers[cid]["reply"])
-        stats = {cid: {key: answer[key] for key in ("loss", "steps", "samples")} for cid, answer in answers.items()}
-        return reply_bytes, stats
+        return {cid: {key: answer[key] for key in ("loss", "steps", "samples")} for cid, answer in answers.items()}
 
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
