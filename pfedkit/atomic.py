@@ -5,21 +5,30 @@ what makes `pfedkit run --resume` safe.
 """
 from __future__ import annotations
 
-import io
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
-def atomic_write_bytes(path: str | Path, payload: bytes) -> None:
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
+    """`write(handle)` into a temporary file beside `path`, made durable, then renamed over it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def atomic_write_bytes(path: str | Path, payload: bytes) -> None:
+    atomic_write(path, lambda handle: handle.write(payload))
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -27,16 +36,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def atomic_torch_save(path: str | Path, obj: Any) -> None:
+    """torch.save straight into the file: a checkpoint of every client's model is not copied
+    into memory first."""
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
 def atomic_savez(path: str | Path, **arrays: Any) -> None:
     import numpy as np
 
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **arrays)
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, lambda handle: np.savez_compressed(handle, **arrays))

@@ -148,6 +148,10 @@ class Config(BaseModel):
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = Field(False, description="torch.compile each client's model for local training (inductor); "
                           "falls back to eager with a warning where compiling fails")
+    client_states: Literal["auto", "memory", "disk"] = Field(
+        "auto", description="where per-client states (Local's, Ditto's, FedPer's models...) live: memory, disk "
+        "(one file per client, read when trained or evaluated; for thousands of clients), or auto (disk when "
+        "they would take more than half of the available memory)")
     channels_last: bool = Field(True, description="channels_last memory format for conv models")
     data_dir: str | None = None
     preset: str | None = Field(None, description="a shipped set of defaults (pfedkit list); the file and "

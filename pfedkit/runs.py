@@ -6,6 +6,7 @@ Run directory (one per run under `out_dir`):
     metrics.csv      one row per (round, client)
     summary.json     headline numbers (see pfedkit.evaluation.summarize)
     checkpoints/latest.pt   everything needed to resume (server, clients, metrics so far)
+    client_states/   with client_states=disk: one file per client state (the checkpoint names them)
 Every file is written atomically; `run(resume=DIR)` continues a killed run and ends with metrics
 identical to an uninterrupted run, because all randomness is derived from (seed, round, client,
 purpose) and the checkpoint holds the whole simulation state.
@@ -13,6 +14,7 @@ purpose) and the checkpoint holds the whole simulation state.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +33,7 @@ from pfedkit.config import Config, ConfigError, load_config, per_client_model_op
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
 from pfedkit.engine.allocator import retain_freed_memory
+from pfedkit.engine.client_states import STATES_DIR, Placement, disk_stores
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.processes import ProcessRuntime
 from pfedkit.engine.runtime import SequentialRuntime
@@ -58,19 +61,33 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory")
         config = load_config(run_dir / "config.yaml")
-    elif not isinstance(config, Config):
-        config = load_config(config, overrides)
-    context = prepare(config, resume_dir=Path(resume) if resume else None)
-    run_dir = Path(resume) if resume else start_run_dir(config, context.data)
+        context = prepare(config, resume_dir=run_dir)
+    else:
+        if not isinstance(config, Config):
+            config = load_config(config, overrides)
+        # Named first: client states on disk are written into it as they are built (which
+        # creates it); a refused or failed setup leaves no run directory behind.
+        run_dir = new_run_dir_name(config)
+        try:
+            context = prepare(config, state_dir=run_dir / STATES_DIR)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        write_run_files(run_dir, config, context.data)
     return execute(config, context, run_dir, quiet=quiet)
 
 
 def start_run_dir(config: Config, data: FederatedData) -> Path:
     """A new run directory holding the run's config.yaml and partition.npz."""
     run_dir = create_run_dir(config)
+    write_run_files(run_dir, config, data)
+    return run_dir
+
+
+def write_run_files(run_dir: Path, config: Config, data: FederatedData) -> None:
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     atomic_savez(run_dir / "partition.npz", **data.partition_arrays())
-    return run_dir
 
 
 @dataclass
@@ -147,8 +164,10 @@ def check_precision(config: Config) -> None:
                           "(AVX512_BF16 or AMX); bf16 would run ~9x slower than fp32 here. Use precision=fp32")
 
 
-def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
-    """Load data, partition, build model, algorithm, runtime and the (initial or resumed) state."""
+def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | None = None) -> Prepared:
+    """Load data, partition, build model, algorithm, runtime and the (initial or resumed) state.
+    `state_dir`: where client states go when they are kept on disk (`client_states`); default:
+    the resumed run's, or a scratch directory under `out_dir` deleted with the state."""
     check_precision(config)
     dataset = load_dataset(config.dataset, config.data_dir)
     channels_last = uses_channels_last(config, dataset.input_shape)
@@ -161,9 +180,14 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     algorithm, archs = build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     ops, client_ops = algorithm.setup.ops, algorithm.setup.client_ops
     runtime = make_runtime(config, archs, data)
-    simulation = simulation_for(config, algorithm, data, runtime)
+    if resume_dir is not None:
+        state_dir = resume_dir / STATES_DIR
+    simulation = simulation_for(config, algorithm, data, runtime,
+                                placement=Placement(config.client_states, state_dir, config.out_dir))
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
+        for store in disk_stores(state):
+            store.reopen(state_dir)
         if not getattr(state, "optimizer_states", None) and config.keep_optimizer_state:
             state.optimizer_states = [{} for _ in range(data.num_clients)]  # a checkpoint from before the option
     else:
@@ -174,12 +198,14 @@ def prepare(config: Config, resume_dir: Path | None = None) -> Prepared:
     return Prepared(data, simulation, state, runtime)
 
 
-def simulation_for(config: Config, algorithm, data: FederatedData, runtime, clients=None) -> Simulation:
-    """The round loop with the config's schedule; `clients`: the clients' side (default: local)."""
+def simulation_for(config: Config, algorithm, data: FederatedData, runtime, clients=None,
+                   placement: Placement = Placement()) -> Simulation:
+    """The round loop with the config's schedule; `clients`: the clients' side (default: local,
+    its states placed by `placement`)."""
     return Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
                       join_ratio=config.join_ratio, eval_every=config.eval_every,
                       keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
-                      participants=config.participants, clients=clients)
+                      participants=config.participants, clients=clients, placement=placement)
 
 
 def build_algorithm(config: Config, input_shape, num_classes: int, train_counts: np.ndarray):
@@ -229,13 +255,19 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
 
 
 def create_run_dir(config: Config) -> Path:
+    run_dir = new_run_dir_name(config)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    return run_dir
+
+
+def new_run_dir_name(config: Config) -> Path:
+    """A run directory path not taken yet (not created)."""
     out = Path(config.out_dir)
     base = config.name or f"{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
     candidate, suffix = out / base, 1
     while candidate.exists():
         suffix += 1
         candidate = out / f"{base}-{suffix}"
-    (candidate / "checkpoints").mkdir(parents=True)
     return candidate
 
 
@@ -263,7 +295,12 @@ def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> No
     metrics = pd.DataFrame(state.rows)
     atomic_write_text(run_dir / "metrics.csv", metrics.to_csv(index=False))
     if checkpoint:
+        stores = disk_stores(state)
+        for store in stores:
+            store.sync()  # the files the checkpoint names are on disk before it is
         atomic_torch_save(run_dir / CHECKPOINT, state)
+        for store in stores:
+            store.pin()
     if state.diagnostics:
         atomic_torch_save(run_dir / "diagnostics.pt", state.diagnostics)
 

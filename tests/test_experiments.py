@@ -1,7 +1,6 @@
 """Comparisons over seeds (`pfedkit compare --seeds`), resume, tables, and the HTML reports."""
 from __future__ import annotations
 
-import json
 import struct
 
 import numpy as np

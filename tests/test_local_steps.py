@@ -7,7 +7,6 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from conftest import TinyNet as Tiny
 from conftest import tiny_params

@@ -251,13 +251,13 @@ def test_bf16_is_refused_on_a_cpu_without_native_bf16(monkeypatch):
 
 
 def test_client_states_that_cannot_fit_in_memory_are_refused_before_building(small_config, monkeypatch, tmp_path):
-    from pfedkit.engine import simulate
+    from pfedkit.engine import client_states
 
-    monkeypatch.setattr(simulate, "available_memory", lambda: 100 * 1024)  # 100 KB left
+    monkeypatch.setattr(client_states, "available_memory", lambda: 100 * 1024)  # 100 KB left
     built = []
     original = get_algorithm("local").init_client
     monkeypatch.setattr(get_algorithm("local"), "init_client", lambda self, cid, p: built.append(cid) or original(self, cid, p))
     with pytest.raises(ConfigError, match="MB per client"):
-        pfedkit.run({**small_config, "algorithm": "local", "num_clients": 40})
+        pfedkit.run({**small_config, "algorithm": "local", "num_clients": 40, "client_states": "memory"})
     assert built == [0]  # only the one state used to measure
     assert not (tmp_path / "runs").exists()  # no run directory

@@ -27,7 +27,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 

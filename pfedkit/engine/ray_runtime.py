@@ -21,7 +21,7 @@ from torch import nn
 from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.processes import default_workers
-from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order,
+from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order, handed_out,
                                     split_custom_predict)
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
@@ -59,7 +59,9 @@ class RayRuntime:
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 
     def fit_stream(self, jobs: list[FitJob]) -> Iterator[tuple[int, FitOutcome]]:
-        yield from self.pool.map_unordered(lambda worker, job: worker.fit.remote(job), dispatch_order(jobs, self.data))
+        ordered = dispatch_order(jobs, self.data)
+        jobs.clear()  # the caller's list: emptied as the other runtimes do
+        yield from self.pool.map_unordered(lambda worker, job: worker.fit.remote(job), handed_out(ordered))
 
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         return dict(self.fit_stream(jobs))

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequen
 import numpy as np
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
-from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
+from pfedkit.engine.client_states import DISK_WINDOW, Placement, on_disk
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
@@ -31,7 +31,7 @@ class SimState:
     """Everything a resumed run needs; checkpointed after rounds."""
     round: int
     server: Any
-    clients: list[Any]
+    clients: list[Any]  # per client: a list, or DiskStates (client_states=disk)
     buffers: list[Any]  # per-client BatchNorm statistics (None for models without buffers)
     rows: list[dict] = field(default_factory=list)
     seconds: float = 0.0
@@ -40,7 +40,7 @@ class SimState:
     head_row_norms: np.ndarray | None = None  # [N, C] at the last evaluation (nan: no Linear head)
     diagnostics: dict[str, dict[int, Any]] = field(default_factory=dict)  # what algorithms recorded
     # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
-    # client-side memory, checkpointed, never sent.
+    # client-side memory, checkpointed, never sent; a list, or DiskStates like `clients`.
     optimizer_states: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -52,29 +52,6 @@ class RoundReport:
     train_seconds: float
     eval_seconds: float
     train_samples: int
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations (Linux MemAvailable); None where unknown."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_state_memory(per_client: int, clients: int) -> None:
-    """Stop before building client states that cannot fit in memory (a swapping or killed run
-    helps nobody): one line with the sizes and the ways out."""
-    available = available_memory()
-    needed = per_client * clients
-    if available is not None and needed > 0.9 * available:
-        raise ConfigError(f"num_clients={clients}: the algorithm keeps {per_client / 2**20:.1f} MB per client, "
-                          f"{needed / 2**30:.1f} GB in all, and this machine has {available / 2**30:.1f} GB "
-                          "available; use fewer clients, a smaller model, or an algorithm that keeps less per client")
 
 
 def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: MutableSequence | dict,
@@ -114,7 +91,9 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: 
         for job, outcome in _in_client_order(jobs, runtime.fit_stream(list(jobs.values()))):
             buffers[job.cid] = outcome.buffers
             if optimizer_states is not None and outcome.optimizer_state is not None:
-                optimizer_states[job.cid][job.request.optimizer] = outcome.optimizer_state
+                kept = optimizer_states[job.cid]  # read, changed, written back: states may live on disk
+                kept[job.request.optimizer] = outcome.optimizer_state
+                optimizer_states[job.cid] = kept
             counts[job.cid] += 1
             stats[job.cid]["loss"] += outcome.mean_loss * outcome.steps
             stats[job.cid]["steps"] += outcome.steps
@@ -153,19 +132,19 @@ class LocalClients:
     client math."""
 
     def __init__(self, algorithm: Algorithm, clients: Mapping[int, ClientData] | Sequence[ClientData], runtime,
-                 num_classes: int, eval_point: str = "after_download") -> None:
+                 num_classes: int, eval_point: str = "after_download", placement: Placement = Placement()) -> None:
         self.algorithm, self.clients, self.runtime = algorithm, clients, runtime
-        self.num_classes, self.eval_point = num_classes, eval_point
+        self.num_classes, self.eval_point, self.placement = num_classes, eval_point, placement
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
-        """Every client's initial state, from its initial weights (refused, before any is built,
-        when they would not fit in the memory this machine has available)."""
-        first = [self.algorithm.init_client(0, params[0])] if params else []
-        if first:
-            check_state_memory(message_bytes(first[0]), len(params))
-        state.clients = first + [self.algorithm.init_client(cid, p) for cid, p in enumerate(params) if cid > 0]
+        """Every client's initial state, from its initial weights, in memory or on disk
+        (`placement`); refused, before any but the first is built, where they cannot fit."""
+        init = self.algorithm.init_client
+        if params:
+            rest = (init(cid, p) for cid, p in enumerate(params) if cid > 0)
+            state.clients, state.optimizer_states = self.placement.place(init(0, params[0]), rest, len(params),
+                                                                         keep_optimizer_state)
         state.buffers = list(buffers)
-        state.optimizer_states = [{} for _ in params] if keep_optimizer_state else []
 
     def client_view(self, cid: int, state: SimState) -> ClientData:
         """Client `cid`'s data, with `buffers` reading its current BatchNorm statistics."""
@@ -183,21 +162,27 @@ class LocalClients:
     def train(self, rnd: int, messages: dict[int, Message], cids: list[int], state: SimState,
               receive: Callable[[int, Message], None]) -> dict[int, dict]:
         """Run `cids`' client updates; each new state replaces the old one; each reply goes to
-        `receive(cid, reply)` as soon as it exists. Returns the train stats."""
-        algo = self.algorithm
-        updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
-                                           self.client_view(cid, state)) for cid in cids}
-        return drive_clients(updates, self.runtime, rnd, state.clients, state.buffers, state.optimizer_states or None,
-                             receive, keep_trained=self.eval_point == "after_local_training")
+        `receive(cid, reply)` as soon as it exists. Returns the train stats. States on disk are
+        read DISK_WINDOW clients at a time (the same results: a client's randomness depends only
+        on its id, the round and its request count)."""
+        algo, stats = self.algorithm, {}
+        window = DISK_WINDOW if on_disk(state.clients) else max(1, len(cids))
+        for start in range(0, len(cids), window):
+            updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
+                                               self.client_view(cid, state)) for cid in cids[start:start + window]}
+            stats.update(drive_clients(updates, self.runtime, rnd, state.clients, state.buffers,
+                                       state.optimizer_states or None, receive,
+                                       keep_trained=self.eval_point == "after_local_training"))
+        return stats
 
-    def evaluated_model(self, cid: int, state: SimState, stats: dict[int, dict]):
+    def evaluated_model(self, cid: int, client: Any, server: Any, stats: dict[int, dict]):
         """settings.md §4.1: "after_download" = the model the client would use now, after the
         round's aggregation (`client_model`: what it downloads next, PFLlib's evaluation at the start
         of the next round); "after_local_training" = a participant's model as its last Fit of the
         round returned it (non-participants: `client_model`, their model did not change)."""
         if self.eval_point == "after_local_training" and "trained" in stats.get(cid, {}):
-            return self.algorithm.trained_model(cid, state.clients[cid], stats[cid]["trained"])
-        return self.algorithm.client_model(cid, state.server, state.clients[cid])
+            return self.algorithm.trained_model(cid, client, stats[cid]["trained"])
+        return self.algorithm.client_model(cid, server, client)
 
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
@@ -216,22 +201,23 @@ class LocalClients:
                         ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         algo = self.algorithm
         custom = algo.has_custom_predict()
-        models = {cid: (self.evaluated_model(cid, state, stats), state.buffers[cid]) for cid in cids}
+        clients = {cid: state.clients[cid] for cid in cids}  # read once each (states may live on disk)
+        models = {cid: (self.evaluated_model(cid, client, state.server, stats), state.buffers[cid])
+                  for cid, client in clients.items()}
         if algo.has_adaptation():
-            models.update(self._adapted(rnd, state, models))
-        items = [(cid, params, buffers,
-                  partial(algo.predict, cid, state.server, state.clients[cid]) if custom else None)
+            models.update(self._adapted(rnd, state.server, clients, models))
+        items = [(cid, params, buffers, partial(algo.predict, cid, state.server, clients[cid]) if custom else None)
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         norms = {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
         return evals, norms
 
-    def _adapted(self, rnd: int, state: SimState, models: dict[int, tuple]) -> dict[int, tuple]:
+    def _adapted(self, rnd: int, server: Any, clients: dict[int, Any], models: dict[int, tuple]) -> dict[int, tuple]:
         """Evaluation-time adaptation (`Algorithm.adapt`): the clients' adapted models and BatchNorm
         statistics, trained by the runtime like any Fit and never written back into the state."""
         algo, jobs = self.algorithm, []
         for cid, (params, buffers) in models.items():
-            request = algo.adapt(cid, state.server, state.clients[cid], params)
+            request = algo.adapt(cid, server, clients[cid], params)
             if request is not None:
                 jobs.append(FitJob(rnd, cid, 0, request, buffers, None, purpose="adapt"))
         outcomes = self.runtime.fit_many(jobs) if jobs else {}
@@ -244,14 +230,16 @@ class Simulation:
 
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
                  join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
-                 eval_point: str = "after_download", participants: str = "round", clients=None) -> None:
+                 eval_point: str = "after_download", participants: str = "round", clients=None,
+                 placement: Placement = Placement()) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
         self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
         if eval_point not in ("after_download", "after_local_training"):
             raise ValueError(f"eval_point must be 'after_download' or 'after_local_training', got {eval_point!r}")
         self.eval_point = eval_point
-        self.clients = clients or LocalClients(algorithm, data.clients, runtime, data.num_classes, eval_point)
+        self.clients = clients or LocalClients(algorithm, data.clients, runtime, data.num_classes, eval_point,
+                                                   placement)
 
     def initial_state(self, params, buffers, client_params: list | None = None,
                       client_buffers: list | None = None) -> SimState:

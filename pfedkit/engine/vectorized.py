@@ -160,8 +160,10 @@ class VectorizedRuntime:
             return self._fit_all(jobs)
 
     def fit_stream(self, jobs: list[FitJob]):
-        """One batched computation: every result is ready at once."""
-        yield from self.fit_many(jobs).items()
+        """One batched computation: every result is ready at once (then the jobs are let go)."""
+        outcomes = self.fit_many(jobs)
+        jobs.clear()
+        yield from outcomes.items()
 
     def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         outcomes: dict[int, FitOutcome] = {}

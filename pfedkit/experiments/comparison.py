@@ -29,7 +29,7 @@ MANIFEST = "comparison.json"
 # Keys that say where or how fast a run executes, not what it computes (runs are identical across
 # backends and worker counts): a resumed comparison may change them.
 EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every", "ray", "flower",
-                  "compile")
+                  "compile", "client_states")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,7 @@ def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], 
 
 def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any], str]:
     """A finished run's summary (reused), a half run resumed, or a new run."""
+    from pfedkit.engine.client_states import STATES_DIR
     from pfedkit.runs import CHECKPOINT, run
 
     if (run_dir / "config.yaml").is_file():
@@ -133,6 +134,7 @@ def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any
     # A finished run is never resumed; its checkpoint (every client's model: ~1 GB for 20
     # ResNet-18s) would only fill the disk over a table's dozens of runs.
     (run_dir / CHECKPOINT).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / STATES_DIR, ignore_errors=True)  # the client states it named (client_states=disk)
     return summary, how
 
 
