@@ -162,3 +162,17 @@ def test_a_run_without_a_run_directory_keeps_disk_states_in_a_scratch_directory(
     import gc
     gc.collect()
     assert not scratch.exists()  # deleted with the states
+
+
+def test_state_files_keep_values_dtypes_and_exact_strides(tmp_path):
+    conv = torch.randn(32, 1, 5, 5).to(memory_format=torch.channels_last)  # C=1: strides no order fixes
+    state = {"conv": conv, "nhwc": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+             "transposed": torch.randn(3, 4).t(), "bf16": torch.randn(4, 4).bfloat16(),
+             "grad": torch.randn(3, requires_grad=True), "empty": torch.empty(0, 3),
+             "meta": {"alpha": 0.25, "counts": [1, 2]}}
+    back = DiskStates(tmp_path, "client", [state])[0]
+    assert _equal_states(back, state)
+    assert back["grad"].requires_grad and not back["conv"].requires_grad
+    assert back["conv"].stride() == conv.stride() != torch.randn(32, 1, 5, 5).stride()
+    sliced = DiskStates(tmp_path, "view", [torch.arange(10.0)[::2]])[0]  # a view that skips elements: compact
+    assert torch.equal(sliced, torch.arange(0.0, 10.0, 2.0)) and sliced.is_contiguous()

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pfedkit.config import ConfigError
+from pfedkit.engine import transport
 
 DISK_WINDOW = 128  # clients whose states are in memory together while a round trains them from disk
 AUTO_DISK_FRACTION = 0.5  # auto: disk when the states would take more than this share of available memory
@@ -33,7 +32,9 @@ STATES_DIR = "client_states"  # inside a run directory
 
 class DiskStates:
     """A list of per-client objects kept as files in `directory` (`{prefix}-{cid}.{version}.pt`):
-    `states[cid]` reads client cid's object, `states[cid] = value` writes a new one."""
+    `states[cid]` reads client cid's object, `states[cid] = value` writes a new one. The files are
+    pickles with tensors as raw bytes (`transport.dump`: exact values and strides), so, as with
+    a checkpoint, only files this run wrote should be read."""
 
     def __init__(self, directory: str | Path, prefix: str, values: Iterable[Any], scratch: Any = None) -> None:
         """`scratch`: the TemporaryDirectory that `directory` is, kept alive (and deleted) with this store."""
@@ -50,13 +51,15 @@ class DiskStates:
         return len(self.names)
 
     def __getitem__(self, cid: int) -> Any:
-        return torch.load(self.directory / self.names[self._index(cid)], weights_only=False)
+        with open(self.directory / self.names[self._index(cid)], "rb") as handle:
+            return transport.load(handle)
 
     def __setitem__(self, cid: int, value: Any) -> None:
         cid = self._index(cid)
         self.version += 1
         name = f"{self.prefix}-{cid}.{self.version}.pt"
-        torch.save(value, self.directory / name)
+        with open(self.directory / name, "wb") as handle:
+            transport.dump(value, handle)
         old, self.names[cid] = self.names[cid], name
         self.unsynced.add(name)
         if old is not None and old not in self.pinned:
