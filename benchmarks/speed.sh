@@ -19,12 +19,16 @@ fi
 
 # 2. Scaling: the same data over 100, 1,000 and 10,000 clients (iid: Dirichlet 0.1 cannot give
 #    every client PFLlib's minimum size at 1,000+). fedavg: no client state; local: a model per
-#    client (10,000 local models are 23 GB of fp32 state: not run).
+#    client, in memory and on disk (client_states=disk); 10,000 local models are 23 GB of fp32
+#    state: on disk only (client_states=auto chooses it where memory is short).
 for clients in 100 1000 10000; do
   $B --rounds 2 --backend processes --clients $clients --algorithm fedavg partition.scheme=iid
 done
 for clients in 100 1000; do
-  $B --rounds 2 --backend processes --clients $clients --algorithm local partition.scheme=iid
+  $B --rounds 2 --backend processes --clients $clients --algorithm local partition.scheme=iid client_states=memory
+done
+for clients in 1000 10000; do
+  $B --rounds 2 --backend processes --clients $clients --algorithm local partition.scheme=iid client_states=disk
 done
 
 # 3. GPU (only where one is present): the vectorized backend against sequential on the same GPU.
