@@ -73,21 +73,18 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        write_run_files(run_dir, config, context.data)
+        start_run_dir(config, context.data, run_dir)
     return execute(config, context, run_dir, quiet=quiet)
 
 
-def start_run_dir(config: Config, data: FederatedData) -> Path:
-    """A new run directory holding the run's config.yaml and partition.npz."""
-    run_dir = create_run_dir(config)
-    write_run_files(run_dir, config, data)
-    return run_dir
-
-
-def write_run_files(run_dir: Path, config: Config, data: FederatedData) -> None:
+def start_run_dir(config: Config, data: FederatedData, run_dir: Path | None = None) -> Path:
+    """The run directory, with checkpoints/, the run's config.yaml and partition.npz: a new one,
+    or `run_dir` (from `new_run_dir_name`; setup may have created it for client states)."""
+    run_dir = run_dir or new_run_dir_name(config)
+    (run_dir / "checkpoints").mkdir(parents=True)
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     atomic_savez(run_dir / "partition.npz", **data.partition_arrays())
+    return run_dir
 
 
 @dataclass
@@ -252,12 +249,6 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
         return RayRuntime(build, settings, data, workers=config.workers, threads=config.threads,
                           address=config.ray.address, **extra)
     raise ConfigError(f"backend: {config.backend!r} is not available; allowed: sequential, processes, vectorized, ray")
-
-
-def create_run_dir(config: Config) -> Path:
-    run_dir = new_run_dir_name(config)
-    (run_dir / "checkpoints").mkdir(parents=True)
-    return run_dir
 
 
 def new_run_dir_name(config: Config) -> Path:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pfedkit.algorithms.base import message_bytes
 from pfedkit.config import ConfigError
 from pfedkit.engine import transport
 
@@ -133,8 +134,6 @@ class Placement:
     def place(self, first: Any, rest: Iterable[Any], clients: int, keep_optimizer_state: bool) -> tuple[Any, Any]:
         """(client states, optimizer states): lists or `DiskStates`, from the first client's state
         (measured to decide) and the others' (built one at a time, never all held when on disk)."""
-        from pfedkit.algorithms.base import message_bytes
-
         per_client = message_bytes(first)
         values = itertools.chain([first], rest)
         if choose_placement(self.mode, per_client, clients, available_memory()) == "memory":
@@ -166,10 +165,6 @@ def disk_stores(state: Any) -> list[DiskStates]:
     return [values for values in (state.clients, state.optimizer_states) if isinstance(values, DiskStates)]
 
 
-def on_disk(values: Any) -> bool:
-    return isinstance(values, DiskStates)
-
-
 def choose_placement(mode: str, per_client: int, clients: int, available: int | None) -> str:
     """'memory' or 'disk' for `clients` states of `per_client` bytes; `available`: memory
     available (bytes, None where unknown). Refuses memory placement that cannot fit."""
@@ -184,10 +179,10 @@ def choose_placement(mode: str, per_client: int, clients: int, available: int | 
     return mode
 
 
-def check_disk_space(directory: str | Path | None, per_client: int, clients: int) -> None:
+def check_disk_space(directory: str | Path, per_client: int, clients: int) -> None:
     """Refuse disk placement where the states cannot be written twice (a checkpoint's files are
     kept until the next checkpoint lands)."""
-    where = Path(directory) if directory is not None else Path(".")
+    where = Path(directory)
     while not where.exists():
         where = where.parent
     free, needed = shutil.disk_usage(where).free, 2 * per_client * clients

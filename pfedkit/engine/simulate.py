@@ -17,7 +17,7 @@ import numpy as np
 
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.client_states import DISK_WINDOW, Placement, on_disk
+from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
@@ -166,7 +166,7 @@ class LocalClients:
         read DISK_WINDOW clients at a time (the same results: a client's randomness depends only
         on its id, the round and its request count)."""
         algo, stats = self.algorithm, {}
-        window = DISK_WINDOW if on_disk(state.clients) else max(1, len(cids))
+        window = DISK_WINDOW if isinstance(state.clients, DiskStates) else max(1, len(cids))
         for start in range(0, len(cids), window):
             updates = {cid: algo.client_update(rnd, cid, state.clients[cid], messages.get(cid, {}),
                                                self.client_view(cid, state)) for cid in cids[start:start + window]}

@@ -205,7 +205,7 @@ def load(file) -> Any:
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s elements fill its memory span without overlap (empty_strided can remake it)."""
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
-    return tensor.numel() > 0 and span == tensor.numel() and all(stride >= 0 for stride in tensor.stride())
+    return tensor.numel() > 0 and span == tensor.numel()
 
 
 def tensors_in(value: Any) -> Iterable[torch.Tensor]:
