@@ -5,6 +5,8 @@ what makes `pfedkit run --resume` safe.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -47,3 +49,26 @@ def atomic_savez(path: str | Path, **arrays: Any) -> None:
     import numpy as np
 
     atomic_write(path, lambda handle: np.savez_compressed(handle, **arrays))
+
+
+def json_ready(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None (JSON's null), in nested dicts,
+    lists and tuples: Python writes NaN as a bare `NaN`, which strict parsers (JavaScript, jq,
+    Go, Rust's serde) refuse."""
+    if isinstance(value, float):  # numpy's float64 too
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value
+
+
+def strict_json(value: Any, indent: int | None = 2) -> str:
+    """Strict JSON text of `value` (NaN and infinities as null); anything else JSON cannot hold
+    raises instead of being written."""
+    return json.dumps(json_ready(value), indent=indent, allow_nan=False)
+
+
+def atomic_write_json(path: str | Path, value: Any) -> None:
+    atomic_write_text(path, strict_json(value) + "\n")

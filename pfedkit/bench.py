@@ -15,7 +15,6 @@ its workers, sampled every 0.2 s: the physical memory the run really holds.
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import threading
@@ -25,7 +24,9 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from pfedkit.atomic import strict_json
 from pfedkit.config import load_config
+from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.processes import default_workers
 from pfedkit.runs import prepare
 
@@ -33,7 +34,10 @@ PARITY_ROUNDS = 10
 PARITY_TOLERANCE = 0.005  # bf16 within half a point of fp32 after PARITY_ROUNDS rounds
 
 
-def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5) -> float:
+def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5,
+                  device: torch.device = torch.device("cpu")) -> float:
+    if device.type == "cuda":
+        return cuda_matmul_gflops(device)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -45,6 +49,20 @@ def matmul_gflops(threads: int, size: int = 2048, repeats: int = 5) -> float:
         best = min(best, time.perf_counter() - start)
     torch.set_num_threads(previous)
     return 2 * size ** 3 / best / 1e9
+
+
+def cuda_matmul_gflops(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
+    """The GPU's fp32 matmul rate (TF32 off, as in training: see engine/device.py), timed with events."""
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    for _ in range(3):
+        a @ b  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * size ** 3 * repeats / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -173,12 +191,14 @@ def run_bench(args, log=print) -> dict:
     eval_samples = sum(c.n_test for c in data.clients)
     parallel = config.backend in ("processes", "ray")
     total_threads = (config.workers or default_workers()) if parallel else (config.threads or torch.get_num_threads())
-    peak = matmul_gflops(total_threads)
+    device = resolve_device(config.device, config.backend)
+    peak = matmul_gflops(total_threads, device=device)
     achieved = samples / train * train_flops / 1e9
     round_flops = samples * train_flops + eval_samples * eval_flops
     result = {"backend": config.backend, "clients": args.clients, "algorithm": config.algorithm,
               "channels_last": config.channels_last, "dataset": args.dataset, "rounds": args.rounds,
               "precision": config.precision, "compile": config.compile, **cpu_capability(),
+              "device": describe_device(device),
               "setup_sec": round(setup_seconds, 2),
               "sec_per_round": round(train + evaluate, 3), "train_sec_per_round": round(train, 3),
               "eval_sec_per_round": round(evaluate, 3), "samples_per_sec": round(samples / train, 1),
@@ -215,7 +235,7 @@ def format_bench(result: dict) -> str:
         f"({result['mflop_per_sample']} MFLOP per sample)",
         f"matmul peak measured now: {result['matmul_gflops']} GFLOP/s -> training at "
         f"{100 * result['peak_fraction']:.1f}% of peak, the whole round at {100 * result['peak_fraction_round']:.1f}%",
-        f"CPU: {result['cpu_capability']}, native bf16: {result['native_bf16']}",
+        f"device: {result['device']}; CPU: {result['cpu_capability']}, native bf16: {result['native_bf16']}",
         f"peak memory: RSS (this process + largest worker) {result['peak_rss_mb']} MB, "
         f"PSS (all processes) {result['peak_pss_mb']} MB; {result['minor_faults_per_step']} page faults per step",
     ]
@@ -223,4 +243,4 @@ def format_bench(result: dict) -> str:
         lines.append(f"bf16 parity after {result['parity_rounds']} rounds: fp32 {result['parity_fp32_acc']}, "
                      f"bf16 {result['parity_bf16_acc']} (gap {result['parity_gap']:+.4f}, "
                      f"{'within' if result['parity_ok'] else 'OUTSIDE'} {PARITY_TOLERANCE})")
-    return "\n".join([*lines, json.dumps(result)])
+    return "\n".join([*lines, strict_json(result, indent=None)])  # a machine-read line: NaN as null

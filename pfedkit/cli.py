@@ -5,14 +5,20 @@ Configuration errors end with one line on stderr naming the key and exit status 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import textwrap
 import sys
+import warnings
 from pathlib import Path
 
-from pfedkit.config import ConfigError
+from pfedkit.config import ConfigError, ConfigWarning, did_you_mean
 
 EXIT_BAD_INPUT = 2
+# `pfedkit compare`'s default (the README quickstart): a personalised method beside the two
+# baselines it should beat, on the embedded digits job.
+DEFAULT_COMPARE = "local,fedavg,fedper"
+EXIT_DIVERGED = 3  # training loss became NaN or infinite (see TrainingDiverged)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -20,6 +26,49 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from pfedkit.data.partition import PartitionError
 
     return ConfigError, PartitionError, DataError
+
+
+def _diverged() -> type[Exception]:
+    from pfedkit.engine.simulate import TrainingDiverged  # imported only when an error reaches here
+
+    return TrainingDiverged
+
+
+# OSErrors that mean "this path cannot be written here" (a bad path given by the user), as opposed
+# to a failing disk or a bug: one line and exit 2 instead of a traceback.
+PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG)
+
+
+def check_writable_dir(path: Path, what: str, given: Path | None = None, fix: str | None = None) -> None:
+    """ConfigError naming `what` and the path the user `given` (default: `path`) unless `path` is
+    a folder this process can write into, or can be created as one. Checked before a command
+    creates anything, so a refused command leaves nothing behind."""
+    path = path.absolute()
+    shown = (given or path).absolute()
+    fix = fix or f"choose another {what}"
+    existing = next(p for p in (path, *path.parents) if p.exists())  # the root always exists
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {shown}: {existing} is a file, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {shown}: {existing} is not writable (permissions or a read-only file system); {fix}")
+
+
+def check_writable_file(path: Path, what: str) -> None:
+    """As `check_writable_dir`, for a file to be written (its folder must be writable)."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path.absolute()}: is a folder; expected a file path such as {path / 'stats.png'}")
+    check_writable_dir(path.parent, what, given=path)
+
+
+def _show_warning(previous):
+    """A `warnings.showwarning` printing ConfigWarnings as one `warning:` line on stderr and
+    handing the others to `previous`."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
+    return show
 
 
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -48,12 +97,18 @@ def _pct(value) -> str:
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
+    from pfedkit.config import load_config
     from pfedkit.runs import run
 
     source, overrides = split_config_and_overrides(ns.items)
     if ns.resume and (source or overrides):
         raise ConfigError("--resume takes no config or overrides: the run directory's config.yaml is used")
-    result = run(source, overrides, resume=ns.resume, quiet=ns.quiet)
+    config = None if ns.resume else load_config(source, overrides)
+    if config is None:
+        check_writable_dir(Path(ns.resume), "--resume")
+    else:
+        check_writable_dir(Path(config.out_dir), "out_dir")
+    result = run(config, resume=ns.resume, quiet=ns.quiet)
     print(results_table([result.summary]))
     print(f"run directory: {result.run_dir}")
     return 0
@@ -77,6 +132,7 @@ def parse_seeds(text: str) -> list[int]:
 def cmd_compare(ns: argparse.Namespace) -> int:
     from datetime import datetime
 
+    from pfedkit.algorithms import algorithm_names
     from pfedkit.config import load_config
     from pfedkit.experiments.comparison import Entry, markdown_table, run_comparison, write_seed_table
 
@@ -84,9 +140,12 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     names = [a.strip() for a in ns.algorithms.split(",") if a.strip()]
     if len(set(names)) != len(names):
         raise ConfigError(f"--algorithms {ns.algorithms}: a name appears twice")
-    base = load_config(source, overrides)
-    entries = [Entry(name, load_config(source, overrides + [f"algorithm={name}"]).to_dict()) for name in names]
+    # Sections of the compared algorithms are expected; any other algorithm's is warned about once.
+    base = load_config(source, overrides, expected_sections=names)
+    entries = [Entry(name, load_config(source, overrides + [f"algorithm={name}"],
+                                       expected_sections=algorithm_names()).to_dict()) for name in names]
     out = Path(ns.out) if ns.out else Path(base.out_dir) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+    check_writable_dir(out, "--out" if ns.out else "out_dir")
     records = run_comparison(out, entries, parse_seeds(ns.seeds), quiet=ns.quiet, extra={"kind": "compare"})
     table = write_seed_table(out, records)
     print(markdown_table(table, COMPACT))
@@ -98,12 +157,17 @@ COMPACT = ("best", "last5", "best_unweighted", "last5_unweighted", "worst_client
 
 
 def cmd_reproduce(ns: argparse.Namespace) -> int:
-    from pfedkit.experiments.paper_presets import load_paper
-    from pfedkit.experiments.reproduce import list_paper, reproduce
+    from pfedkit.config import parse_overrides
+    from pfedkit.experiments.paper_presets import PAPERS, load_paper
+    from pfedkit.experiments.reproduce import list_paper, list_papers, reproduce
 
     if ns.list:
-        print(list_paper(load_paper(ns.paper)))
+        print(list_paper(load_paper(ns.paper)) if ns.paper else list_papers())
         return 0
+    if ns.paper is None:
+        raise ConfigError(f"reproduce: name a paper ({', '.join(PAPERS)}); pfedkit reproduce --list shows their tables")
+    out_root = ns.out or parse_overrides(ns.overrides).get("out_dir") or "runs"
+    check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
     for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet):
         print((out_dir / "paper.md").read_text())
@@ -131,27 +195,28 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
     if ns.algorithm:
         if ns.algorithm not in algorithm_names():
-            raise ConfigError(f"list {ns.algorithm}: unknown algorithm; allowed: {', '.join(algorithm_names())}")
+            raise ConfigError(f"list {ns.algorithm}: unknown algorithm{did_you_mean(ns.algorithm, algorithm_names())}; "
+                              f"allowed: {', '.join(algorithm_names())}")
         print(algorithm_options(get_algorithm(ns.algorithm), detailed=True))
         return 0
-    print("algorithms (options: ALGORITHM.KEY=VALUE; details: pfedkit list ALGORITHM):")
-    for name in algorithm_names():
-        print(f"  {name:<14} {get_algorithm(name).description}")
-        options = algorithm_options(get_algorithm(name), detailed=False)
-        if options:
-            print(textwrap.fill(options, width=100, initial_indent=" " * 17, subsequent_indent=" " * 17))
-    print("datasets:")
-    for name, info in DATASETS.items():
-        print(f"  {name:<14} {info.description}")
-    print("partitions:")
-    for name, params in SCHEME_PARAMS.items():
-        print(f"  {name:<14} parameters: {', '.join(params)}")
-    print("models:")
-    for name, info in MODELS.items():
-        print(f"  {name:<14} {info.description}")
-    print("presets (preset=NAME):")
-    for name in preset_names():
-        print(f"  {name:<14} {preset_summary(name)}")
+    sections = {
+        "algorithms (options: ALGORITHM.KEY=VALUE; details: pfedkit list ALGORITHM):":
+            {name: get_algorithm(name).description for name in algorithm_names()},
+        "datasets:": {name: info.description for name, info in DATASETS.items()},
+        "partitions:": {name: f"parameters: {', '.join(params)}" for name, params in SCHEME_PARAMS.items()},
+        "models:": {name: info.description for name, info in MODELS.items()},
+        "presets (preset=NAME):": {name: preset_summary(name) for name in preset_names()},
+    }
+    width = max(len(name) for rows in sections.values() for name in rows)  # one column for every section
+    indent = " " * (width + 3)
+    for title, rows in sections.items():
+        print(title)
+        for name, text in rows.items():
+            print(f"  {name:<{width}} {text}")
+            if name in algorithm_names() and title.startswith("algorithms"):
+                options = algorithm_options(get_algorithm(name), detailed=False)
+                if options:
+                    print(textwrap.fill(options, width=100, initial_indent=indent, subsequent_indent=indent))
     return 0
 
 
@@ -163,11 +228,12 @@ def cmd_data_stats(ns: argparse.Namespace) -> int:
 
     source, overrides = split_config_and_overrides(ns.items)
     config = load_config(source, overrides)
+    out = Path(ns.out or Path(config.out_dir) / f"data-stats-{config.dataset}-{config.partition.scheme}.png")
+    check_writable_file(out, "--out" if ns.out else "out_dir")
     dataset = load_dataset(config.dataset, config.data_dir)
     train_index, test_index = split_indices(config, dataset)
     table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
     print(table.to_string())
-    out = Path(ns.out or Path(config.out_dir) / f"data-stats-{config.dataset}-{config.partition.scheme}.png")
     write_heatmap(table, out, title=f"{config.dataset}: {config.partition.scheme}, {config.num_clients} clients")
     print(f"heatmap: {out}")
     return 0
@@ -183,6 +249,10 @@ def cmd_report(ns: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"report: unknown option {', '.join(sorted(unknown))}; allowed: tensorboard=true")
     target = Path(ns.run_dir)
+    if not (is_comparison(target) or (target / "metrics.csv").is_file()):
+        raise ConfigError(f"report {target.absolute()}: neither a run directory (metrics.csv) nor a comparison "
+                          "directory (comparison.json)")
+    check_writable_dir(target / "report", "report", fix="copy the directory somewhere writable and report the copy")
     try:
         written = report_comparison(target) if is_comparison(target) else report_run(target)
     except FileNotFoundError as err:
@@ -204,7 +274,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pfedkit import __version__
+
     parser = argparse.ArgumentParser(prog="pfedkit", description="Personalized federated learning simulations.")
+    parser.add_argument("--version", action="version", version=f"pfedkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_run = sub.add_parser("run", help="run one simulation (no config: the embedded default job)")
@@ -215,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_cmp = sub.add_parser("compare", help="several algorithms on the same partitions, over seeds: mean ± std")
     p_cmp.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
-    p_cmp.add_argument("--algorithms", default="local,fedavg,fedprox", help="comma-separated names")
+    p_cmp.add_argument("--algorithms", default=DEFAULT_COMPARE,
+                       help="comma-separated names (default: %(default)s; all: pfedkit list)")
     p_cmp.add_argument("--seeds", default="0", help="0,1,2 or 0-4 (default 0)")
     p_cmp.add_argument("--out", help="comparison directory (default OUT_DIR/compare-TIMESTAMP); "
                        "an existing one resumes")
@@ -223,12 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.set_defaults(func=cmd_compare)
 
     p_rep = sub.add_parser("reproduce", help="a paper's table at a budget, our mean ± std beside the paper's numbers")
-    p_rep.add_argument("paper", help="fedrema, pfedpm, cwfedavg, pfedcs or dapfl")
+    p_rep.add_argument("paper", nargs="?", help="fedrema, pfedpm, cwfedavg, pfedcs or dapfl "
+                       "(--list without a paper: every paper's tables)")
     p_rep.add_argument("overrides", nargs="*", help="key=value applied last (e.g. data_dir=..., backend=sequential)")
     p_rep.add_argument("--table", help="table id(s), comma-separated (default: all; see --list)")
-    p_rep.add_argument("--budget", default="cpu", choices=["smoke", "cpu", "paper"],
-                       help="smoke: ~1 minute; cpu: <= 1 hour per table on 2 cores; paper: the full setting")
-    p_rep.add_argument("--list", action="store_true", help="the paper's tables, rows and budgets")
+    p_rep.add_argument("--budget", default="cpu", choices=["smoke", "cpu", "regime", "paper"],
+                       help="smoke: ~1 minute; cpu: <= 1 hour per table on 2 cores; regime: the paper's per-round "
+                       "regime (its epochs, batch, lr, samples per client) with fewer clients/rounds, headline "
+                       "tables only; paper: the full setting")
+    p_rep.add_argument("--list", action="store_true", help="the paper's tables, rows and budgets (no paper: "
+                       "all papers' tables, and why the others cannot be rebuilt)")
     p_rep.add_argument("--out", help="directory (default OUT_DIR/reproduce/PAPER-TABLE-BUDGET: reruns resume)")
     p_rep.add_argument("-q", "--quiet", action="store_true")
     p_rep.set_defaults(func=cmd_reproduce)
@@ -244,15 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
     p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false)")
-    p_bench.add_argument("--rounds", type=int, default=3)
-    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized", "ray"])
-    p_bench.add_argument("--workers", type=int, default=None)
-    p_bench.add_argument("--clients", type=int, default=20)
-    p_bench.add_argument("--dataset", default="mnist")
-    p_bench.add_argument("--data-dir", default=None, help="default: $PFEDKIT_DATA")
-    p_bench.add_argument("--algorithm", default="fedavg")
-    p_bench.add_argument("--alpha", type=float, default=0.1)
-    p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p_bench.add_argument("--rounds", type=int, default=3, help="rounds timed (default: %(default)s)")
+    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized", "ray"],
+                         help="how a round's clients train (default: %(default)s)")
+    p_bench.add_argument("--workers", type=int, default=None,
+                         help="processes / ray: worker count (default: one per core; ray: the cluster's CPUs)")
+    p_bench.add_argument("--clients", type=int, default=20, help="num_clients, all taking part (default: %(default)s)")
+    p_bench.add_argument("--dataset", default="mnist", help="dataset (default: %(default)s; see pfedkit list)")
+    p_bench.add_argument("--data-dir", default=None,
+                         help="folder holding DATASET/DATASET.npz.xz (default: $PFEDKIT_DATA)")
+    p_bench.add_argument("--algorithm", default="fedavg", help="algorithm (default: %(default)s; see pfedkit list)")
+    p_bench.add_argument("--alpha", type=float, default=0.1,
+                         help="Dirichlet concentration of the partition (default: %(default)s)")
+    p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                         help="bf16: autocast, only where the CPU or GPU has native bf16 (default: %(default)s)")
     p_bench.add_argument("--compile", action="store_true", help="torch.compile the local training step")
     p_bench.add_argument("--parity", action="store_true",
                          help="also run 10 rounds at fp32 and at bf16 and compare their accuracy")
@@ -270,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(ns: argparse.Namespace) -> int:
+    """The chosen command, its ConfigWarnings printed as one line each (every time: a warning
+    belongs to each run that has it, not only to the first run of a process)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ConfigWarning)
+        warnings.showwarning = _show_warning(warnings.showwarning)
+        return ns.func(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Options may come before, between or after key=value items: collect the leftovers as items.
@@ -281,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
         setattr(ns, positional, list(getattr(ns, positional)) + leftovers)
     try:
-        return ns.func(ns)
+        return run_command(ns)
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -292,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: resume with `pfedkit run --resume RUN_DIR` (the run directory printed above)",
               file=sys.stderr)
         return 130
+    except OSError as err:
+        if err.errno not in PATH_ERRNOS or err.filename is None:
+            raise
+        print(f"error: cannot write {err.filename}: {err.strerror}; choose another path", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except _diverged() as err:  # last: only an error nothing above caught imports the engine
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_DIVERGED
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@
 Every key a script may rely on is a field here. Each algorithm's own hyperparameters live in a
 section named after it (`fedprox: {mu: 0.01}`, or `fedprox.mu=0.01` on the command line) and are
 validated by that algorithm's `Hyper` model. Anything wrong ends in a `ConfigError` whose single
-line names the key, says what was wrong and what is allowed.
+line names the key, says what was wrong and what is allowed (and the closest allowed name to a
+misspelt one). What runs, but not as written (another algorithm's options, a value lowered to
+what is possible), gives a `ConfigWarning`, which the command line prints as one line. A loaded
+Config holds what is in effect: the resolved model, the running algorithm's section only.
 """
 from __future__ import annotations
 
+import warnings
+from collections.abc import Collection, Iterable
+from difflib import get_close_matches
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +30,17 @@ from pydantic import (
 
 class ConfigError(ValueError):
     """Invalid configuration. `str(err)` is one line meant for the user."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that runs, but not as written (an option that has no effect, a value
+    lowered to what is possible). The command line prints it as one `warning:` line."""
+
+
+def did_you_mean(word: Any, choices: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of `choices` to a misspelt `word`, or ""."""
+    close = get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 PartitionScheme = Literal["iid", "dirichlet", "dirichlet_client", "pathological", "shards",
@@ -145,6 +162,9 @@ class Config(BaseModel):
     ray: RayConfig = Field(default_factory=RayConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where clients train and are "
+                        "evaluated: cpu, cuda, cuda:N, or auto (the first GPU for backend=sequential/vectorized when "
+                        "torch sees one, else the CPU)")
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = Field(False, description="torch.compile each client's model for local training (inductor); "
                           "falls back to eager with a warning where compiling fails")
@@ -172,11 +192,13 @@ class Config(BaseModel):
 
         names = algorithm_names()
         if self.algorithm not in names:
-            raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r}; allowed: {', '.join(names)}")
+            raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r}{did_you_mean(self.algorithm, names)}; "
+                             f"allowed: {', '.join(names)}")
         for key in self.model_extra or {}:
             if key not in names:
                 allowed = ", ".join(sorted(Config.model_fields))
-                raise ValueError(f"{key}: unknown key; allowed keys: {allowed}, or an algorithm section")
+                hint = did_you_mean(key, list(Config.model_fields) + names)
+                raise ValueError(f"{key}: unknown key{hint}; allowed keys: {allowed}, or an algorithm section")
         return self
 
     def hyper(self, algorithm: str | None = None) -> BaseModel:
@@ -209,7 +231,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value (e.g. lr=0.01 or fedprox.mu=0.1)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = parse_override_value(key, raw)
         node = tree
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -218,6 +240,27 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         node[parts[-1]] = value
     return tree
+
+
+def parse_override_value(key: str, raw: str) -> Any:
+    """The value of `key=raw` read as YAML (1 -> int, true -> bool, [1, 2] -> list, {...} -> dict);
+    ConfigError naming the key, the text and where the YAML broke."""
+    if raw == "":
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{key.strip()}={raw}: the value is not valid YAML ({yaml_problem(err)}); "
+                          "quote it in the shell as a whole, e.g. 'lr=0.01' or "
+                          "'client_model_options={\"0-6\": {\"c2\": 18}}'") from None
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error as one line: what broke, and where (line and column)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -231,11 +274,17 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None,
-                overrides: list[str] | dict[str, Any] | None = None) -> Config:
-    """Build a validated Config from a YAML path or dict, plus overrides. Raises ConfigError."""
+                overrides: list[str] | dict[str, Any] | None = None, *,
+                expected_sections: Collection[str] = ()) -> Config:
+    """Build a validated Config from a YAML path or dict, plus overrides. Raises ConfigError.
+
+    What the Config holds is what is in effect: `model: auto` becomes the dataset's model, and
+    the sections of algorithms other than the run's are dropped, with a ConfigWarning for those
+    the file or overrides gave (not for `expected_sections`: `compare` passes its algorithms)."""
     data = _read_source(source)
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
     data = deep_merge(data, extra)
+    given = dict(data)
     if data.get("preset") is not None:  # the preset is the base; the file and overrides win over it
         data = deep_merge(read_preset(data["preset"]), data)
     try:
@@ -244,10 +293,39 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
         raise ConfigError(_format_validation_error(err)) from None
     config.hyper()  # validate the algorithm section now, not mid-run
     for name in config.model_extra or {}:
-        config.hyper(name)
+        config.hyper(name)  # an inactive section too: a typo there is still a typo
+    drop_inactive_sections(config, given, expected_sections)
     check_against_dataset(config)
+    check_finite(config)
     per_client_model_options(config)
+    resolve_model(config)
     return config
+
+
+def drop_inactive_sections(config: Config, given: dict[str, Any], expected: Collection[str] = ()) -> None:
+    """Removes from `config` the sections of algorithms that are not running (they would change
+    nothing, yet config.yaml would record them); warns about the ones in `given` (the user's
+    file and overrides), unless `expected`."""
+    extra = config.model_extra or {}  # the dict pydantic keeps the sections in (validated already)
+    inactive = [key for key in extra if key != config.algorithm]
+    running = config.algorithm
+    unused = [key for key in inactive if key in given and key not in expected]
+    if unused:
+        options = [f"{name}.{key}={value}" for name in unused
+                   for key, value in (given[name].items() if isinstance(given[name], dict) else [])] or unused
+        warnings.warn(f"{', '.join(options)}: no effect, {' and '.join(unused)} not running (running: "
+                      f"{', '.join(expected) or running}); left out of the run's config.yaml",
+                      ConfigWarning, stacklevel=3)
+    for key in inactive:
+        del extra[key]
+
+
+def resolve_model(config: Config) -> None:
+    """`model: auto` -> the dataset's default model, so config.yaml names the model that ran."""
+    from pfedkit.models import default_model
+
+    if config.model == "auto":
+        config.model = default_model(config.dataset)
 
 
 def parse_client_range(key: str, num_clients: int) -> range:
@@ -297,7 +375,8 @@ def preset_names() -> list[str]:
 def read_preset(name: Any) -> dict[str, Any]:
     """The config values of preset `name`, without its own `preset` key. ConfigError if unknown."""
     if name not in preset_names():
-        raise ConfigError(f"preset: unknown preset {name!r}; allowed: {', '.join(preset_names())}")
+        raise ConfigError(f"preset: unknown preset {name!r}{did_you_mean(name, preset_names())}; "
+                          f"allowed: {', '.join(preset_names())}")
     data = yaml.safe_load(resources.files("pfedkit.presets").joinpath(f"{name}.yaml").read_text()) or {}
     data.pop("preset", None)
     return data
@@ -317,14 +396,37 @@ def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
         return dict(source)
     path = Path(source)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path.absolute()} {what}; expected a YAML file (or key=value overrides)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}".replace("\n", " ")) from None
+        raise ConfigError(f"config file {path}: not valid YAML at {yaml_problem(err)}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path.absolute()} cannot be read ({err.__class__.__name__}: "
+                          f"{getattr(err, 'strerror', None) or err})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
     return data
+
+
+def check_finite(config: Config) -> None:
+    """Refuse NaN and infinite numbers anywhere in the config (lr=inf, fedprox.mu=.nan): YAML and
+    pydantic accept them, and a run would train to NaN without a word."""
+    import math
+
+    values = {**config.model_dump(), **{name: config.hyper(name).model_dump() for name in config.model_extra or {}}}
+    pending = [(key, value) for key, value in values.items()]
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, dict):
+            pending += [(f"{key}.{inner}", item) for inner, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            pending += [(f"{key}[{index}]", item) for index, item in enumerate(value)]
+        elif isinstance(value, float) and not math.isfinite(value):
+            field = Config.model_fields.get(key)
+            default = f" (default {field.default})" if field is not None and isinstance(field.default, float) else ""
+            raise ConfigError(f"{key}: {value} is not a finite number; give a finite value{default}")
 
 
 def check_against_dataset(config: Config) -> None:
@@ -333,10 +435,12 @@ def check_against_dataset(config: Config) -> None:
     from pfedkit.models import model_names
 
     if config.dataset not in DATASETS:
-        raise ConfigError(f"dataset: unknown dataset {config.dataset!r}; allowed: {', '.join(DATASETS)}")
+        raise ConfigError(f"dataset: unknown dataset {config.dataset!r}{did_you_mean(config.dataset, DATASETS)}; "
+                          f"allowed: {', '.join(DATASETS)}")
     info = DATASETS[config.dataset]
     if config.model != "auto" and config.model not in model_names():
-        raise ConfigError(f"model: unknown model {config.model!r}; allowed: auto, {', '.join(model_names())}")
+        raise ConfigError(f"model: unknown model {config.model!r}{did_you_mean(config.model, model_names())}; "
+                          f"allowed: auto, {', '.join(model_names())}")
     part = config.partition
     if part.scheme == "pathological" and part.classes_per_client > info.num_classes:
         raise ConfigError(f"partition.classes_per_client: {part.classes_per_client} is more than the "
@@ -349,6 +453,16 @@ def check_against_dataset(config: Config) -> None:
                           f"{info.num_samples} samples; allowed: 1..{info.num_samples}")
 
 
+def _section_keys(loc: tuple) -> list[str]:
+    """The keys allowed beside the last part of `loc` in the nested section it names
+    (`("partition", "alpah")` -> PartitionConfig's fields)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = field.annotation if field is not None else None
+    return list(getattr(model, "model_fields", {}))
+
+
 def _format_validation_error(err: ValidationError, prefix: str | None = None,
                              allowed: list[str] | None = None) -> str:
     messages = []
@@ -356,8 +470,9 @@ def _format_validation_error(err: ValidationError, prefix: str | None = None,
         loc = ".".join(str(p) for p in ((prefix,) if prefix else ()) + tuple(item["loc"]))
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            keys = allowed if prefix else list(PartitionConfig.model_fields)
-            messages.append(f"{loc}: unknown key; allowed: {', '.join(keys) or 'none'}")
+            keys = allowed if prefix else _section_keys(tuple(item["loc"]))
+            hint = did_you_mean(item["loc"][-1], keys)
+            messages.append(f"{loc}: unknown key{hint}; allowed: {', '.join(keys) or 'none'}")
         elif loc and not msg.startswith(loc.split(".")[-1] + ":"):
             messages.append(f"{loc}: {msg} (got {item.get('input')!r})")
         else:

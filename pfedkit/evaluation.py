@@ -71,8 +71,8 @@ def evaluate_logits_fn(logits_fn, x: torch.Tensor, y: torch.Tensor, num_classes:
         loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
         hits = logits.argmax(dim=1) == yb
         correct += int(hits.sum())
-        class_correct += torch.bincount(yb[hits], minlength=num_classes)
-    class_total = torch.bincount(y, minlength=num_classes).numpy()
+        class_correct += torch.bincount(yb[hits], minlength=num_classes).cpu()
+    class_total = torch.bincount(y, minlength=num_classes).cpu().numpy()
     return ClientEval(correct, len(y), loss_sum, class_correct.numpy(), class_total)
 
 

@@ -4,16 +4,20 @@ Run directory (one per run under `out_dir`):
     config.yaml      resolved configuration
     partition.npz    per-client train/test row indices (train_<cid>, test_<cid>)
     metrics.csv      one row per (round, client)
-    summary.json     headline numbers (see pfedkit.evaluation.summarize)
+    summary.json     headline numbers (see pfedkit.evaluation.summarize), strict JSON (NaN -> null)
     checkpoints/latest.pt   everything needed to resume (server, clients, metrics so far)
+    checkpoints/config.json what the run computes (run_identity.identity); resume refuses an edit of it
     client_states/   with client_states=disk: one file per client state (the checkpoint names them)
 Every file is written atomically; `run(resume=DIR)` continues a killed run and ends with metrics
 identical to an uninterrupted run, because all randomness is derived from (seed, round, client,
 purpose) and the checkpoint holds the whole simulation state.
+The directory is claimed by `mkdir` (never shared, never reused); a run whose training loss
+becomes non-finite stops (`TrainingDiverged`) keeping the metrics of its completed rounds.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,22 +32,25 @@ from tqdm import tqdm
 
 from pfedkit.algorithms import get_algorithm
 from pfedkit.algorithms.base import Setup
-from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_text
+from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_json, atomic_write_text
 from pfedkit.config import Config, ConfigError, load_config, per_client_model_options
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
 from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.client_states import STATES_DIR, Placement, disk_stores
+from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.processes import ProcessRuntime
 from pfedkit.engine.runtime import SequentialRuntime
 from pfedkit.engine.seeds import SERVER, derive_seed
-from pfedkit.engine.simulate import SimState, Simulation
+from pfedkit.engine.simulate import SimState, Simulation, TrainingDiverged
 from pfedkit.engine.trainer import TrainSettings
 from pfedkit.evaluation import summarize
 from pfedkit.models import build_model, default_model
+from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
+RUN_IDENTITY = "checkpoints/config.json"  # what the run computes (see run_identity), written once at start
 
 
 @dataclass
@@ -61,30 +68,47 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory")
         config = load_config(run_dir / "config.yaml")
+        check_unchanged(run_dir, config)
         context = prepare(config, resume_dir=run_dir)
     else:
         if not isinstance(config, Config):
             config = load_config(config, overrides)
-        # Named first: client states on disk are written into it as they are built (which
-        # creates it); a refused or failed setup leaves no run directory behind.
-        run_dir = new_run_dir_name(config)
+        # Claimed first: client states on disk are written into it as they are built; a refused
+        # or failed setup leaves no run directory behind (nor an out_dir this run created).
+        out_existed = Path(config.out_dir).is_dir()
+        run_dir = claim_run_dir(config)
         try:
             context = prepare(config, state_dir=run_dir / STATES_DIR)
         except BaseException:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            discard_run_dir(run_dir, remove_out_dir=not out_existed)
             raise
         start_run_dir(config, context.data, run_dir)
     return execute(config, context, run_dir, quiet=quiet)
 
 
 def start_run_dir(config: Config, data: FederatedData, run_dir: Path | None = None) -> Path:
-    """The run directory, with checkpoints/, the run's config.yaml and partition.npz: a new one,
-    or `run_dir` (from `new_run_dir_name`; setup may have created it for client states)."""
-    run_dir = run_dir or new_run_dir_name(config)
-    (run_dir / "checkpoints").mkdir(parents=True)
+    """The run directory, with checkpoints/, the run's config.yaml, its identity and partition.npz:
+    a new one, or `run_dir` (from `claim_run_dir`; setup may have put client states in it)."""
+    run_dir = run_dir or claim_run_dir(config)
+    (run_dir / "checkpoints").mkdir()
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+    atomic_write_json(run_dir / RUN_IDENTITY, identity(config))
     atomic_savez(run_dir / "partition.npz", **data.partition_arrays())
     return run_dir
+
+
+def check_unchanged(run_dir: Path, config: Config) -> None:
+    """Refuse to resume a run whose config.yaml was edited in anything that changes its numbers
+    (execution keys such as backend or workers may change: see run_identity). A run directory
+    from before the identity was recorded is resumed unchecked."""
+    stored_file = run_dir / RUN_IDENTITY
+    if not stored_file.is_file():
+        return
+    changes = changed_keys(json.loads(stored_file.read_text()), identity(config))
+    if changes:
+        raise ConfigError(f"--resume {run_dir}: config.yaml was edited after the run started "
+                          f"({describe_changes(changes)}); a resumed run must continue with the settings it "
+                          "started with: restore them, or start a new run with the new settings")
 
 
 @dataclass
@@ -151,10 +175,10 @@ def uses_channels_last(config: Config, input_shape) -> bool:
 
 
 def check_precision(config: Config) -> None:
-    """precision=bf16 trains in bf16 only where the hardware has it: a GPU (vectorized backend) or
-    a CPU with native bf16 kernels (AVX512_BF16 / AMX). Elsewhere oneDNN falls back to slow
-    reference kernels: FedAvgCNN trained 9x slower than fp32 on an AVX2 CPU here."""
-    if config.precision != "bf16" or (config.backend == "vectorized" and torch.cuda.is_available()):
+    """precision=bf16 trains in bf16 only where the hardware has it: a GPU or a CPU with native
+    bf16 kernels (AVX512_BF16 / AMX). Elsewhere oneDNN falls back to slow reference kernels:
+    FedAvgCNN trained 9x slower than fp32 on an AVX2 CPU here."""
+    if config.precision != "bf16" or resolve_device(config.device, config.backend).type == "cuda":
         return
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise ConfigError(f"precision=bf16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 "
@@ -236,14 +260,15 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
         archs = Architectures(archs)
     retain_freed_memory()  # every runtime (forked workers inherit it): no page faults per step
     settings = train_settings(config)
+    device = resolve_device(config.device, config.backend)
     build, extra = archs.build, {"builds": archs.builds, "model_keys": archs.model_keys}
     if config.backend == "sequential":
-        return SequentialRuntime(build, settings, data, threads=config.threads, **extra)
+        return SequentialRuntime(build, settings, data, threads=config.threads, device=device, **extra)
     if config.backend == "processes":
         return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads, **extra)
     if config.backend == "vectorized":
         from pfedkit.engine.vectorized import VectorizedRuntime
-        return VectorizedRuntime(build, settings, data, threads=config.threads, **extra)
+        return VectorizedRuntime(build, settings, data, threads=config.threads, device=device, **extra)
     if config.backend == "ray":
         from pfedkit.engine.ray_runtime import RayRuntime
         return RayRuntime(build, settings, data, workers=config.workers, threads=config.threads,
@@ -251,15 +276,45 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
     raise ConfigError(f"backend: {config.backend!r} is not available; allowed: sequential, processes, vectorized, ray")
 
 
-def new_run_dir_name(config: Config) -> Path:
-    """A run directory path not taken yet (not created)."""
+def check_run_name(name: str) -> None:
+    """`name` must be one plain directory name: the run directory goes inside `out_dir`, never
+    beside or above it."""
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if not name.strip() or name in (".", "..") or any(sep in name for sep in separators) or "\0" in name:
+        raise ConfigError(f"name: {name!r} is not a plain directory name (no '/', '\\', '..' or empty name); "
+                          "the run directory goes inside out_dir: choose the place with out_dir=PATH")
+
+
+def default_run_name(config: Config) -> str:
+    return f"{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def claim_run_dir(config: Config) -> Path:
+    """A new run directory under `out_dir`, created: `name` (default algorithm-dataset-timestamp),
+    or `name-2`, `name-3`... when taken. `mkdir` without exist_ok is the claim, so two runs
+    started in the same second (or with the same name) never share or reuse a directory."""
+    base = config.name if config.name is not None else default_run_name(config)
+    check_run_name(base)
     out = Path(config.out_dir)
-    base = config.name or f"{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
-    candidate, suffix = out / base, 1
-    while candidate.exists():
-        suffix += 1
-        candidate = out / f"{base}-{suffix}"
-    return candidate
+    suffix = 1
+    while True:
+        candidate = out / (base if suffix == 1 else f"{base}-{suffix}")
+        try:
+            candidate.mkdir(parents=True)  # creates out_dir if needed; the run directory itself never exists yet
+            return candidate
+        except FileExistsError:  # taken (by an earlier run or one starting right now): the next name
+            suffix += 1
+
+
+def discard_run_dir(run_dir: Path, remove_out_dir: bool = False) -> None:
+    """Remove a run directory whose setup failed, and its `out_dir` when this run created it and
+    nothing else is in it."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if remove_out_dir:
+        try:
+            run_dir.parent.rmdir()
+        except OSError:  # another run is using it
+            pass
 
 
 def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True) -> Result:
@@ -268,7 +323,11 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
                desc=f"{config.algorithm} {config.dataset}", dynamic_ncols=True)
     try:
         while state.round < config.rounds:
-            report = sim.run_round(state)
+            try:
+                report = sim.run_round(state)
+            except TrainingDiverged as err:
+                keep_completed_rounds(run_dir, state, config, err)
+                raise
             if report.acc_weighted is not None:
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)
@@ -278,7 +337,19 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
         bar.close()
         context.runtime.close()
     metrics = pd.DataFrame(state.rows)
-    return Result(finish_summary(run_dir, state, config, context.data, context.backend), metrics, run_dir)
+    return Result(finish_summary(run_dir, state, config, context.data, context.backend,
+                                 getattr(context.runtime, "device", torch.device("cpu"))), metrics, run_dir)
+
+
+def keep_completed_rounds(run_dir: Path, state: SimState, config: Config, err: TrainingDiverged) -> None:
+    """A diverged round: write the metrics of the rounds before it (its own state is half
+    updated, so no checkpoint) and tell the user what to change."""
+    if state.rows:
+        atomic_write_text(run_dir / "metrics.csv", pd.DataFrame(state.rows).to_csv(index=False))
+    clip = f"a smaller grad_clip (now {config.grad_clip})" if config.grad_clip else "grad_clip=1.0"
+    rounds = "round 1" if state.round == 1 else f"rounds 1-{state.round}"
+    kept = f"the metrics of {rounds}" if state.round else "its config and partition"
+    err.hint = f"lower lr (now {config.lr}) or set {clip}, then start a new run; {run_dir} keeps {kept}"
 
 
 def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> None:
@@ -297,7 +368,7 @@ def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> No
 
 
 def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData,
-                   backend: str | None = None) -> dict[str, Any]:
+                   backend: str | None = None, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
     metrics = pd.DataFrame(state.rows)
     summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
                         class_correct=state.class_correct, class_total=state.class_total,
@@ -305,10 +376,11 @@ def finish_summary(run_dir: Path, state: SimState, config: Config, data: Federat
                         point=config.headline.point, eval_point=config.eval_point)
     summary.update({"model": model_name(config), "num_clients": config.num_clients,
                     "partition": config.partition.scheme, "backend": backend or config.backend,
+                    "device": describe_device(device),
                     "seconds": round(state.seconds, 3),
                     "sec_per_round": round(state.seconds / max(1, state.round), 4),
                     "run_dir": str(run_dir)})
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_json(run_dir / "summary.json", summary)  # strict JSON: NaN and infinities as null
     write_client_tables(run_dir, state, data)
     return summary
 

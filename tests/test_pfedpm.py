@@ -16,10 +16,11 @@ from pfedkit.algorithms.pfedpm import (UNAVAILABLE_SCORE, PFedPM, RPFedPM, class
                                        class_means, feature_distance,
                                        global_features, message_to_table, mix_features, pfedpm_loss,
                                        prototype_regulariser, relation_class_features, relation_logits,
-                                       relation_loss, table_to_message, train_relation)
+                                       relation_extra, relation_from, relation_loss, table_to_message)
 from pfedkit.config import ConfigError, load_config
 from pfedkit.engine.model_ops import ModelOps
-from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
+from pfedkit.engine.seeds import torch_generator
+from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, request_schedule
 from pfedkit.models import build_model
 from pfedkit.models.relation import (RelationModule, make_pairs, relation_buffers, relation_params,
                                      relation_scores)
@@ -391,28 +392,138 @@ def test_relation_module_sizes_and_functional_form_match_the_module():
                                module(pairs).reshape(4, 3))
 
 
-def test_train_relation_learns_to_match_features_to_their_class_and_is_seeded():
-    generator = torch.Generator().manual_seed(0)
-    class_features = 3 * torch.randn(3, D, generator=generator)
-    labels = torch.arange(3).repeat(20)
-    features = class_features[labels] + 0.3 * torch.randn(60, D, generator=generator)
-    class_ids = torch.arange(3)
-    torch.manual_seed(0)
-    module = RelationModule(D)
-    params, buffers = relation_params(module), relation_buffers(module)
+# ------------------------------------------------------------------------------------------------
+# The relation module trains in the engine's Fit (issue 22)
 
-    def fit(seed):
-        return train_relation(params, buffers, features, labels, class_features, class_ids, epochs=15,
-                              batch_size=10, lr=0.1, momentum=0.5, weight=1.0,
-                              generator=torch.Generator().manual_seed(seed))
-    trained, stats, _ = fit(7)
-    before = relation_scores(params, features, class_features, training=False, buffers=buffers)
-    after = relation_scores(trained, features, class_features, training=False, buffers=stats)
-    assert relation_loss(after, labels, class_ids) < 0.5 * relation_loss(before, labels, class_ids)
-    assert (after.argmax(1) == labels).float().mean() > 0.9
-    again, _, _ = fit(7)
-    assert all(torch.equal(trained[n], again[n]) for n in trained)
-    assert all(torch.equal(params[n], relation_params(module)[n]) for n in params)  # inputs untouched
+
+def relation_client(hyper: dict):
+    """R-pFedPM on a synthetic client of classes 1, 3, 4 that has local features and receives
+    global ones: every class has a class feature, so psi trains this round."""
+    algo = make_algorithm(RPFedPM, RPFedPM.Hyper(**hyper))
+    data = synthetic_client(0, [1, 3, 4], 8, (8,))
+    client = algo.init_client(0, algo.setup.ops.initial_params())
+    local, has_local = random_table(5, [1, 3, 4], algo.feature_dim)
+    client.update(local=local, has_local=has_local)
+    message = {"features": table_to_message(*random_table(6, [0, 1, 2, 3, 4], algo.feature_dim))}
+    return algo, data, client, message
+
+
+def drive_counting(algo, trainer, client, message, data) -> tuple[dict, list]:
+    """`drive` that also returns the Fit requests the update made."""
+    requests = []
+    update = algo.client_update(1, 0, client, message, data)
+    request = next(update)
+    while True:
+        requests.append(request)
+        outcome = trainer.fit(FitJob(1, 0, len(requests) - 1, request, None), data.x_train, data.y_train)
+        try:
+            request = update.send(outcome.params)
+        except StopIteration as stop:
+            return stop.value[0], requests
+
+
+def reference_relation_sgd(psi, statistics, features, labels, class_features, class_ids, batches, *, lr, momentum,
+                           weight):
+    """The hand-written loop R-pFedPM used before issue 22 (SGD on weight * L_rel over psi alone,
+    features fixed), run over given mini-batches: what its alternate Fit must compute."""
+    live = {name: value.detach().clone().requires_grad_(True) for name, value in psi.items()}
+    stats = {name: value.detach().clone() for name, value in statistics.items()}
+    optimizer = torch.optim.SGD(list(live.values()), lr=lr, momentum=momentum)
+    for batch in batches:
+        scores = relation_scores(live, features[batch], class_features, training=True, buffers=stats)
+        loss = weight * relation_loss(scores, labels[batch], class_ids)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return {name: value.detach() for name, value in live.items()}, stats
+
+
+def test_alternate_relation_fit_is_the_former_hand_loop_run_by_the_engine_trainer():
+    """psi's own Fit (alternate form) = SGD with the run's lr and momentum on weight * L_rel over
+    the body's fixed features, on the trainer's mini-batches; the model itself stays frozen."""
+    algo, data, client, _ = relation_client({"relation_training": "alternate", "relation_weight": 2.0})
+    params = algo.setup.ops.initial_params()
+    body_features, _, _ = algo.local_features(params, data)
+    # what the Fit reads per batch: given features (here the body's, shifted), not its own forward
+    features = body_features + torch.randn(body_features.shape, generator=torch.Generator().manual_seed(8))
+    class_features, available = random_table(7, [1, 2, 3, 4], algo.feature_dim)
+    request = algo.relation_fit(params, client["relation"], client["relation_stats"], features,
+                                {"class_features": class_features, "available": available})
+    settings = TrainSettings(local_epochs=3, batch_size=5, lr=0.1, momentum=0.5, seed=4)
+    outcome = LocalTrainer(algo.setup.ops.build, settings).fit(FitJob(1, 0, 1, request, None), data.x_train,
+                                                                 data.y_train)
+    batches = request_schedule(request, settings, data.n_train, torch_generator(4, 1, 0, "fit-1"))
+    class_ids = available.nonzero().squeeze(1)
+    expected_psi, expected_stats = reference_relation_sgd(
+        client["relation"], client["relation_stats"], features, data.y_train, class_features[class_ids], class_ids,
+        batches, lr=0.1, momentum=0.5, weight=2.0)
+    psi, stats = relation_from(outcome.params)
+    assert outcome.steps == len(batches) == 3 * 5  # 24 samples in batches of 5, 3 epochs
+    for name in expected_psi:
+        torch.testing.assert_close(psi[name], expected_psi[name], rtol=1e-5, atol=1e-6)
+    for name in expected_stats:
+        torch.testing.assert_close(stats[name], expected_stats[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(psi[n], client["relation"][n]) for n in psi)
+    assert all(torch.equal(outcome.params[n], params[n]) for n in params)  # the model is frozen
+
+
+def test_relation_training_with_lr_zero_leaves_psi_unchanged_but_moves_its_batchnorm_statistics():
+    """lr=0: psi and the model keep their values (the Fit's SGD trains psi, nothing else does);
+    psi's BatchNorm running statistics still move, as BatchNorm's do in train mode."""
+    algo, data, client, message = relation_client({})
+    for lr in (0.0, 0.05):
+        trainer = LocalTrainer(algo.setup.ops.build, TrainSettings(1, 5, lr, momentum=0.5))
+        state, requests = drive_counting(algo, trainer, dict(client), message, data)
+        assert len(requests) == 1 and set(relation_extra(client["relation"], client["relation_stats"])) \
+            == set(requests[0].extra)  # joint: one Fit that carries psi
+        unchanged = all(torch.equal(state["relation"][n], client["relation"][n]) for n in client["relation"])
+        assert unchanged == (lr == 0.0)
+        assert not torch.equal(state["relation_stats"]["bn.running_mean"], client["relation_stats"]["bn.running_mean"])
+        model_unchanged = all(torch.equal(state["params"][n], client["params"][n]) for n in client["params"])
+        assert model_unchanged == (lr == 0.0)
+        assert not any(name.startswith("relation.") for name in state["params"])
+
+
+def test_joint_and_alternate_relation_training_differ():
+    """joint: one Fit trains body, head and psi together; alternate: body + head with psi fixed,
+    then psi alone (a second Fit, optimizer "relation", model frozen). Different psi and body."""
+    states = {}
+    for form in ("joint", "alternate"):
+        algo, data, client, message = relation_client({"relation_training": form})
+        trainer = LocalTrainer(algo.setup.ops.build, TrainSettings(1, 5, 0.05, momentum=0.5))
+        states[form], requests = drive_counting(algo, trainer, client, message, data)
+        if form == "joint":
+            assert [(r.trainable, r.optimizer) for r in requests] == [("all", "default")]
+        else:
+            assert [(r.trainable, r.optimizer, bool(r.extra)) for r in requests] == \
+                [("all", "default", False), ("none", "relation", True)]
+    joint, alternate = states["joint"], states["alternate"]
+    assert any(not torch.equal(joint["relation"][n], alternate["relation"][n]) for n in joint["relation"])
+    assert any(not torch.equal(joint["params"][n], alternate["params"][n]) for n in joint["params"])
+
+
+def test_relation_module_keeps_its_momentum_with_keep_optimizer_state(digits_config):
+    """psi trains with the run's optimiser: with keep_optimizer_state its momentum buffers are kept
+    per client, in the local Fit's optimizer (joint) or in its own "relation" slot (alternate)."""
+    config = {**digits_config, "algorithm": "rpfedpm", "rounds": 2, "momentum": 0.5, "keep_optimizer_state": True}
+    for form, slot in (("joint", "default"), ("alternate", "relation")):
+        result = pfedkit.run({**config, "rpfedpm": {"relation_training": form}})
+        kept = torch.load(result.run_dir / CHECKPOINT, weights_only=False).optimizer_states
+        for state in kept:
+            assert "relation.conv.weight" in state[slot]
+            assert not any(name.startswith("relation.bn.running") for name in state[slot])  # never trained
+
+
+def test_removed_relation_optimiser_keys_and_joint_epochs_are_refused(digits_config):
+    for key in ("relation_lr", "relation_momentum", "relation_batch_size"):
+        with pytest.raises(ConfigError, match=f"{key} was removed.*lr, momentum and batch_size"):
+            load_config({**digits_config, "algorithm": "rpfedpm", "rpfedpm": {key: 0.1}}).hyper()
+    with pytest.raises(ConfigError, match="relation_epochs applies to relation_training=alternate"):
+        load_config({**digits_config, "algorithm": "rpfedpm", "rpfedpm": {"relation_epochs": 2}}).hyper()
+    hyper = load_config({**digits_config, "algorithm": "rpfedpm",
+                         "rpfedpm": {"relation_training": "alternate", "relation_epochs": 2}}).hyper()
+    assert (hyper.relation_training, hyper.relation_epochs) == ("alternate", 2)
+    assert RPFedPM.Hyper().relation_training == "joint"
 
 
 def test_training_passes_prototype_source_is_refused_with_a_clear_message(digits_config):
@@ -430,11 +541,11 @@ def expected_bytes(metrics: pd.DataFrame, counts: np.ndarray, global_classes: di
     return up, down
 
 
-@pytest.mark.parametrize("name", ["pfedpm", "rpfedpm"])
+@pytest.mark.parametrize("name", ["pfedpm", "rpfedpm", "rpfedpm-alternate"])
 def test_end_to_end_on_digits(name, digits_config):
-    config = {**digits_config, "algorithm": name}
-    if name == "rpfedpm":
-        config["rpfedpm"] = {"relation_lr": 0.05, "relation_epochs": 2}
+    config = {**digits_config, "algorithm": name.split("-")[0]}
+    if name == "rpfedpm-alternate":
+        config["rpfedpm"] = {"relation_training": "alternate", "relation_epochs": 2}
     result = pfedkit.run(config)
     state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
     diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)

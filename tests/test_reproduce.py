@@ -162,3 +162,104 @@ def test_an_unfinished_table_marks_its_missing_cells_pending():
     frame = paper_table(synthetic_table(), [record("A", "M1", 0, 0.8)]).set_index(["column", "method"])
     assert frame.loc[("A", "M1"), "status"] == "ran" and frame.loc[("A", "M2"), "status"] == "pending"
     assert np.isnan(frame.loc[("A", "M1"), "rank_ours"])  # one method with both numbers: nothing to rank
+
+
+# ---- budgets that keep the paper's regime; the FedReMa split ------------------------------------
+
+def labels_only_dataset(per_class: int, num_classes: int = 10) -> "Dataset":
+    """A dataset of labels only (the split needs no pixels): `per_class` samples of each class."""
+    from pfedkit.data.datasets import Dataset
+
+    y = np.repeat(np.arange(num_classes), per_class).astype(np.int64)
+    return Dataset(name="cifar10", stored=np.zeros((len(y), 1, 1), np.uint8), y=y,
+                   official_test=np.zeros(len(y), bool), num_classes=num_classes)
+
+
+def test_fedrema_table2_test_splits_reach_beyond_the_dominant_classes():
+    # s = 0.2, 100 samples per client: 80 samples in 3 dominant classes, 2 in each other class. A
+    # class-stratified 4:1 split sends none of the 2 to test, so every test set would be dominant
+    # classes only (inflating Local/FedPer/FedReMa); the authors' random split does not.
+    from pfedkit.config import load_config
+    from pfedkit.data.federated import split_indices
+
+    paper = load_paper("fedrema")
+    table = paper.table("2")
+    column = next(c for c in table.columns if c.name == "s=0.2")
+    row = next(r for r in table.rows if r.method == "Local")
+    config = load_config(paper.cell_config(table, column, row, paper.budget(table, "paper")))
+    assert config.partition.samples_per_client == 100 and config.num_clients == 20
+    dataset = labels_only_dataset(per_class=400)
+    train, test = split_indices(config, dataset)
+    outside = []
+    for train_rows, test_rows in zip(train, test):
+        dominant = np.argsort(-np.bincount(dataset.y[train_rows], minlength=10), kind="stable")[:3]
+        outside.append(int(np.sum(~np.isin(dataset.y[test_rows], dominant))))
+    assert all(len(t) == 20 for t in test)
+    assert sum(outside) > 0, "every client's test samples lie in its 3 dominant classes"
+
+
+def regime_keys(config: dict) -> dict:
+    """What a client does in a round and what it holds: epochs, batch, lr, and its data size (the
+    share of the pool per client for partitions that divide the pool among the clients)."""
+    from pfedkit.config import load_config
+
+    resolved = load_config(config)
+    partition = resolved.partition.model_dump()
+    share = partition.pop("pool_fraction") / resolved.num_clients
+    return {"local_epochs": resolved.local_epochs, "batch_size": resolved.batch_size, "lr": resolved.lr,
+            "momentum": resolved.momentum, "partition": partition, "pool_share_per_client": pytest.approx(share)}
+
+
+@pytest.mark.parametrize("name", PAPERS)
+def test_regime_budget_keeps_the_papers_per_round_regime(name):
+    paper = load_paper(name)
+    regimes = [table for table in paper.tables if "regime" in paper.budget_names(table)]
+    assert regimes, f"{name}: no table has a regime budget"
+    for table in regimes:
+        budget, full = paper.budget(table, "regime"), paper.budget(table, "paper")
+        for column in table.columns:
+            if budget.columns is not None and column.name not in budget.columns:
+                continue
+            for row in table.rows:
+                if row.algorithm is None or (budget.rows is not None and row.method not in budget.rows):
+                    continue
+                ours = regime_keys(paper.cell_config(table, column, row, budget))
+                theirs = regime_keys(paper.cell_config(table, column, row, full))
+                assert ours == theirs, f"{name} {table.id} {column.name} {row.method}"
+
+
+def test_a_budget_runs_only_its_rows_and_columns():
+    paper = load_paper("pfedcs")
+    table = paper.table("1-cifar10")
+    budget = paper.budget(table, "regime")
+    plan = plan_table(paper, table, "regime")
+    assert {(e.group, e.label) for e in plan.entries} == {(c, m) for c in budget.columns for m in budget.rows}
+    assert len(plan.entries) < len(table.rows) * len(table.columns)
+    frame = paper_table(table, [])
+    assert set(frame["status"]) == {"pending"}  # paper_table alone knows no budget
+
+
+def test_a_budget_a_table_does_not_define_is_refused():
+    paper = load_paper("pfedcs")
+    with pytest.raises(ConfigError, match="regime"):
+        paper.budget(paper.table("2-cifar10"), "regime")
+
+
+def test_fedrema_table1_offers_the_authors_code_variant():
+    paper = load_paper("fedrema")
+    for table_id in ("1-mnist", "1-fmnist", "1-cifar10"):
+        table = paper.table(table_id)
+        code = next(r for r in table.rows if r.method == "FedReMa (code)")
+        options = paper.cell_config(table, table.columns[0], code, paper.budget(table, "paper"))["fedrema"]
+        assert options["probe_scale"] == 0.5 and options["peer_temperature"] == 1.0
+        assert options["probe_draws"] == "per_client" and options["peer_weighting"] == "uniform"
+        headline = next(r for r in table.rows if r.method == "FedReMa")
+        assert "fedrema" not in headline.config  # the headline row keeps the paper's text
+
+
+def test_cwfedavg_wdr_target_follows_the_authors_code():
+    paper = load_paper("cwfedavg")
+    table = paper.table("1-mnist")
+    row = next(r for r in table.rows if r.algorithm == "cwfedavg")
+    options = paper.cell_config(table, table.columns[0], row, paper.budget(table, "paper"))["cwfedavg"]
+    assert options["empirical_from"] == "train_and_test" and options["wdr_half_factor"] is True

@@ -65,7 +65,8 @@ def cross_entropy(out: Forward, y: torch.Tensor, params: Params, context: Mappin
 class Fit:
     """A request to train `params` on the client's own training data.
 
-    trainable: "all", "body" or "head" (the rest stays frozen but is still used in the forward).
+    trainable: "all", "body" or "head" (the rest stays frozen but is still used in the forward);
+    "none": the whole model is frozen and only `extra` trains (R-pFedPM's relation module).
     epochs / steps: local epochs (None: the config's local_epochs) or an exact number of
     mini-batches. lr: None uses the config's lr. context: tensors the loss reads (anchors,
     prototypes...), kept as given. optimizer: which of the client's optimizers trains this request;
@@ -78,7 +79,11 @@ class Fit:
     model and mixing weight, pFedMe's local copy), named without a `body.`/`head.` prefix. The
     loss sees them in `params` next to the model's parameters; the default SGD step trains them
     (whatever `trainable` says), a custom step updates them as it likes. The answer to the request
-    holds the model's parameters and the final `extra` tensors, by the same names.
+    holds the model's parameters and the final `extra` tensors, by the same names. An extra the
+    loss does not differentiate gets no gradient, so SGD carries it unchanged (no momentum, decay
+    or clipping touches it); the loss may update such a tensor in place through `.detach()`, as
+    BatchNorm updates its running statistics in train mode (R-pFedPM's relation module), and the
+    answer holds its final value.
     samples: positions in the client's training set to train on (FedFomo keeps a validation
     split out of training); None: all of them. Epochs and batches are over these samples, and
     `Forward.index` / `Batch.index` still give positions in the whole training set.
@@ -107,8 +112,11 @@ class Fit:
             raise ValueError(f"Fit.extra names must not start with 'body.' or 'head.' (model names): {clash[:3]}")
         if self.batches_per_step < 1:
             raise ValueError(f"Fit.batches_per_step must be >= 1, got {self.batches_per_step}")
-        if self.trainable not in ("all", "body", "head"):
-            raise ValueError(f"Fit.trainable must be 'all', 'body' or 'head', got {self.trainable!r}")
+        if self.trainable not in ("all", "body", "head", "none"):
+            raise ValueError(f"Fit.trainable must be 'all', 'body', 'head' or 'none', got {self.trainable!r}")
+        if self.trainable == "none" and not self.extra:
+            raise ValueError("Fit.trainable='none' freezes the model and trains only Fit.extra, which is empty here; "
+                             "pass the tensors to train in extra, or choose 'all', 'body' or 'head'")
         if self.samples is not None:
             self.samples = torch.as_tensor(self.samples, dtype=torch.int64)
             if self.samples.dim() != 1 or (self.samples < 0).any():

@@ -22,6 +22,7 @@ Communication per participant: down M models + M client ids, up one model + M ra
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Me
 from pfedkit.algorithms.params import Params, clone, flatten
 from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
 from pfedkit.algorithms.scoring import mean_loss
-from pfedkit.config import ConfigError
+from pfedkit.config import ConfigError, ConfigWarning
 from pfedkit.engine.seeds import SERVER, numpy_rng
 
 DISTANCE_EPS = 1e-5  # the 1e-5 added to ||theta_j - theta_old|| [paper/code]
@@ -134,6 +135,9 @@ class FedFomo(Algorithm):
         if small:
             raise ConfigError(f"fedfomo holds out a validation split, so every client needs at least 2 training "
                               f"samples; clients {small[:5]} have fewer: change the partition (e.g. partition.least)")
+        if self.h.num_peers > self.peer_count:  # runs, but not as written: say what is used
+            warnings.warn(f"fedfomo.num_peers={self.h.num_peers}: only {self.peer_count} other clients exist, so "
+                          f"each client downloads {self.peer_count} peer models per round", ConfigWarning)
 
     @property
     def peer_count(self) -> int:

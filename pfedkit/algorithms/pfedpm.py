@@ -15,22 +15,23 @@ R-pFedPM ("rpfedpm") adds a relation module psi (pfedkit.models.relation) that s
 (sample feature, class feature) pairs and predicts the best-scoring class (eqs. 12-13); class
 features are the mixed ones, or the global ones for classes without a mixed feature.
 
-How R-pFedPM's relation module is trained here (the engine's `Fit` trains only the engine model's
-parameters, and psi is not one of them):
-  1. `Fit` trains body + decision head on CE + lambda R + w * L_rel, with psi held fixed at its
-     value from the start of the round (passed in the Fit context), so the relation loss's
-     gradient reaches the body (spec default `relation_detach_body=False`). With
-     `relation_detach_body=True` the term is left out and the body never sees it.
-  2. Then psi alone is trained on w * L_rel for the same number of local epochs, in a small torch
-     loop over the new body's features (eval mode, computed once with `setup.ops_for(cid).features`
-     and the client's BatchNorm statistics), mini-batches from
-     `seeds.torch_generator(seed, round, cid, "rpfedpm")`.
-  This is block-coordinate (body then psi) instead of the simultaneous SGD of one joint loss.
+How R-pFedPM's relation module psi is trained: always by the engine's trainer, as `Fit.extra`
+tensors named "relation.*" (its BatchNorm running statistics ride along and are updated in place
+by the loss, as BatchNorm does in train mode), so the run's optimiser settings (lr, momentum,
+weight decay, clipping, kept optimizer state) and every runtime apply to it.
+  `relation_training=joint` (default; the paper: two heads "that share the same body", the spec:
+     "trains psi jointly"): ONE Fit trains body, decision head and psi together by SGD on
+     CE + lambda R + w * L_rel. `relation_detach_body=True` keeps L_rel's gradient out of the body.
+  `relation_training=alternate` (the form before issue 22): a Fit trains body + decision head on
+     CE + lambda R + w * L_rel with psi fixed (from the context; `relation_detach_body=True` drops
+     the term), then a second Fit (`trainable="none"`, optimizer "relation") trains psi alone on
+     w * L_rel over the new body's features, computed once in eval mode with the client's
+     BatchNorm statistics and read per batch through `Forward.index`; `relation_epochs` epochs.
 
 BatchNorm bodies (ResNet-18): every forward of a client's model outside training (local features
-of eq. 6, the relation loop's features) uses the client's own running statistics, `data.buffers`,
-as they are after its latest Fit; evaluation loads the same statistics into the evaluator's module
-before calling `predict` on its body features.
+of eq. 6, the features of the alternate form's relation Fit) uses the client's own running
+statistics, `data.buffers`, as they are after its latest Fit; evaluation loads the same statistics
+into the evaluator's module before calling `predict` on its body features.
 
 pFedPM-mh (clients with models of different architectures, spec §2.9): config
 `client_model_options`; client features are computed with `setup.ops_for(cid)`, the client's own
@@ -48,19 +49,22 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
                                      cross_entropy, register)
 from pfedkit.algorithms.prototypes import FeatureTable, class_means, message_to_table, table_to_message
 from pfedkit.algorithms.params import Params, clone
 from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, derive_seed, torch_generator
-from pfedkit.engine.trainer import batch_order
+from pfedkit.engine.seeds import SERVER, derive_seed
 from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
 
 FEATURE_CHUNK = 512  # samples per forward when computing local features (memory bound only)
 UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
+RELATION = "relation."  # psi's tensors in a Fit's extra (and its answer): "relation." + module name
+RELATION_STATISTICS = ("bn.running_mean", "bn.running_var")  # psi's BatchNorm buffers (not trained)
+# psi's own SGD settings before issue 22: it now trains in the engine's Fit with the run's.
+REMOVED_RELATION_KEYS = {"relation_lr", "relation_momentum", "relation_batch_size"}
 
 # Features travel as {class label: tensor [d]}; a table is the dense form ([C, d] + mask [C]).
 
@@ -173,51 +177,70 @@ def relation_logits(scores: torch.Tensor, class_ids: torch.Tensor, num_classes: 
     return logits
 
 
+def relation_extra(psi: Mapping[str, torch.Tensor], statistics: Mapping[str, torch.Tensor]) -> Params:
+    """psi and its BatchNorm running statistics as `Fit.extra` tensors ("relation." + name). SGD
+    trains psi; the statistics get no gradient, so SGD carries them and the loss updates them."""
+    return {RELATION + name: tensor for name, tensor in {**psi, **statistics}.items()}
+
+
+def relation_from(params: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(psi, statistics) out of a Fit's live tensors or its answer (the "relation." tensors)."""
+    psi, statistics = {}, {}
+    for name, tensor in params.items():
+        if name.startswith(RELATION):
+            local = name[len(RELATION):]
+            (statistics if local in RELATION_STATISTICS else psi)[local] = tensor
+    return psi, statistics
+
+
+def without_relation(params: Mapping[str, torch.Tensor]) -> Params:
+    """The model's parameters of a Fit's answer (the "relation." tensors left out)."""
+    return {name: tensor for name, tensor in params.items() if not name.startswith(RELATION)}
+
+
+def relation_term(features: torch.Tensor, y: torch.Tensor, params: Params, context: Mapping[str, Any]) -> torch.Tensor:
+    """L_rel (eq. 13) of a mini-batch, psi in train mode (BatchNorm with the batch's statistics).
+
+    psi is the Fit's own "relation." tensors when it trains them (their running statistics are
+    updated in place, through `.detach()`: they get no gradient), else `context["relation"]`, held
+    fixed. context: "class_features" [C, d] and "available" [C]."""
+    class_ids = context["available"].nonzero().squeeze(1)
+    psi, statistics = relation_from(params)
+    if psi:
+        statistics = {name: tensor.detach() for name, tensor in statistics.items()}
+    else:
+        psi, statistics = context["relation"], None
+    scores = relation_scores(psi, features, context["class_features"][class_ids], training=True, buffers=statistics)
+    return relation_loss(scores, y, class_ids)
+
+
 def pfedpm_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
-                lam: float, relation_weight: float = 0.0, regulariser: str = "sample_mse") -> torch.Tensor:
+                lam: float, relation_weight: float = 0.0, regulariser: str = "sample_mse",
+                detach_body: bool = False) -> torch.Tensor:
     """Eq. (9) (+ R-pFedPM's relation term): CE + lam * R_i [+ relation_weight * L_rel].
 
     regulariser: "sample_mse" (`prototype_regulariser`, FedProto's per-sample form, default) or
     "class_distance" (`class_distance_regulariser`, eq. 11 literally).
 
-    context: "mixed" [C, d] and "has_mixed" [C]; for the relation term also "relation" (psi,
-    held fixed here), "class_features" [C, d] and "available" [C]. lam = 0 and no relation term
-    is exactly the cross-entropy (Local training).
+    context: "mixed" [C, d] and "has_mixed" [C]; for the relation term also "class_features" and
+    "available" (`relation_term`: psi trained in this Fit, or fixed in "relation"). detach_body:
+    the relation term sees the features without their gradient, so it never reaches the body.
+    lam = 0 and no relation term is exactly the cross-entropy (Local training).
     """
     loss = cross_entropy(out, y, params, context)
     if lam:
         loss = loss + lam * REGULARISERS[regulariser](out.features, y, context["mixed"], context["has_mixed"])
-    if relation_weight and "relation" in context:
-        class_ids = context["available"].nonzero().squeeze(1)
-        scores = relation_scores(context["relation"], out.features, context["class_features"][class_ids],
-                                 training=True)
-        loss = loss + relation_weight * relation_loss(scores, y, class_ids)
+    if relation_weight and "class_features" in context:
+        features = out.features.detach() if detach_body else out.features
+        loss = loss + relation_weight * relation_term(features, y, params, context)
     return loss
 
 
-def train_relation(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                   features: torch.Tensor, labels: torch.Tensor, class_features: torch.Tensor,
-                   class_ids: torch.Tensor, *, epochs: int, batch_size: int, lr: float, momentum: float,
-                   weight: float, generator: torch.Generator) -> tuple[dict, dict, float]:
-    """SGD on weight * L_rel (eq. 13) over psi only, the body's features fixed.
-
-    Mini-batches as the engine draws them (a seeded permutation per epoch). BatchNorm runs in
-    train mode and updates the returned running statistics. -> (psi, statistics, mean loss).
-    """
-    live = {name: value.detach().clone().requires_grad_(True) for name, value in params.items()}
-    stats = {name: value.detach().clone() for name, value in buffers.items()}
-    optimizer = torch.optim.SGD(list(live.values()), lr=lr, momentum=momentum)
-    features = features.detach()
-    total, steps = 0.0, 0
-    for _ in range(epochs):
-        for batch in batch_order(len(labels), batch_size, False, generator):
-            scores = relation_scores(live, features[batch], class_features, training=True, buffers=stats)
-            loss = weight * relation_loss(scores, labels[batch], class_ids)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total, steps = total + float(loss.detach()), steps + 1
-    return ({name: value.detach() for name, value in live.items()}, stats, total / max(steps, 1))
+def relation_only_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                       weight: float) -> torch.Tensor:
+    """weight * L_rel over fixed features: `context["features"]` [n_train, d] (the body's eval-mode
+    output, computed once) at the batch's positions. R-pFedPM's alternate form, psi's own Fit."""
+    return weight * relation_term(context["features"][out.index], y, params, context)
 
 
 def feature_distance(features: Mapping[int, torch.Tensor], reference: Mapping[int, torch.Tensor]) -> float:
@@ -409,22 +432,44 @@ class RPFedPM(PFedPM):
     class Hyper(PFedPM.Hyper):
         """R-pFedPM = pFedPM's hyperparameters plus the relation module's (seed spec §2.5-2.7).
 
+        relation_training: "joint" (default): body, decision head and psi in one SGD on
+           CE + lam R + relation_weight L_rel (the paper's heads "that share the same body", the
+           spec's "trains psi jointly"); "alternate": body + head with psi fixed, then psi alone
+           on the new body's eval-mode features (block-coordinate; the form before issue 22).
         relation_weight: weight of L_rel (eq. 13) in the local loss; not stated by the paper,
-           1.0 [ours]. Must be > 0: psi's own loop minimises relation_weight * L_rel, so with 0 the
-           relation module, which makes R-pFedPM's predictions, would never learn.
+           1.0 [ours]. Must be > 0: with 0 the relation module, which makes R-pFedPM's
+           predictions, would never learn.
         relation_detach_body: False [ours, "both heads share the body"]: the relation loss's
-           gradient reaches the body (with psi fixed during the engine's Fit); True: it does not.
-        relation_lr / relation_momentum / relation_batch_size: SGD of psi's own loop (the engine
-           does not tell algorithms its optimiser settings); defaults = the paper's SGD (0.01,
-           momentum 0.5, batch 10). relation_epochs: None = the run's local_epochs.
+           gradient reaches the body; True: it does not (psi still trains on it).
+        relation_epochs: alternate only: epochs of psi's own Fit (None: the run's local_epochs).
+        psi trains with the run's lr, momentum, weight decay, clipping and batch size (the
+        engine's Fit): the paper's optimiser is the run-level `lr=0.01 momentum=0.5 batch_size=10`.
         """
+        relation_training: Literal["joint", "alternate"] = Field(
+            "joint", description="joint: body, head and relation module in one SGD (paper: both heads share "
+            "the body); alternate: body + head with the relation module fixed, then the module alone")
         relation_weight: float = Field(1.0, gt=0, description="weight of the relation loss (eq. 13); > 0, "
                                        "else the relation head that predicts never learns")
         relation_detach_body: bool = Field(False, description="keep the relation loss's gradient out of the body")
-        relation_lr: float = Field(0.01, gt=0, description="SGD learning rate of the relation module")
-        relation_momentum: float = Field(0.5, ge=0, lt=1, description="SGD momentum of the relation module")
-        relation_batch_size: int = Field(10, ge=1, description="mini-batch size of the relation module's loop")
-        relation_epochs: int | None = Field(None, ge=1, description="epochs of the relation loop (None: local_epochs)")
+        relation_epochs: int | None = Field(None, ge=1, description="relation_training=alternate: epochs of the "
+                                            "relation module's own Fit (None: local_epochs)")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _removed_optimiser_keys(cls, values: Any) -> Any:
+            removed = sorted(set(values) & REMOVED_RELATION_KEYS) if isinstance(values, dict) else []
+            if removed:
+                raise ValueError(f"{removed[0]} was removed: the relation module now trains in the engine's Fit "
+                                 "with the run's lr, momentum and batch_size; set those instead")
+            return values
+
+        @model_validator(mode="after")
+        def _epochs_need_alternate(self) -> "RPFedPM.Hyper":
+            if self.relation_epochs is not None and self.relation_training != "alternate":
+                raise ValueError("relation_epochs applies to relation_training=alternate only (joint trains the "
+                                 "relation module in the local Fit, for local_epochs); drop it or set "
+                                 "relation_training=alternate")
+            return self
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         """pFedPM's state plus psi (same seeded initialisation on every client, never uploaded) and
@@ -442,27 +487,36 @@ class RPFedPM(PFedPM):
         h = self.h
         received, (mixed, has_mixed) = self.received_and_mixed(client, message)
         class_features, available = relation_class_features(mixed, has_mixed, *received)
-        use_relation = bool(available.any()) and h.relation_weight > 0
+        psi, statistics = client["relation"], client["relation_stats"]
         context = {"mixed": mixed, "has_mixed": has_mixed}
-        fit_relation_weight = 0.0
-        if use_relation and not h.relation_detach_body:
-            context.update({"relation": client["relation"], "class_features": class_features, "available": available})
-            fit_relation_weight = h.relation_weight
-        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=h.lam, relation_weight=fit_relation_weight,
-                                                          regulariser=h.regulariser),
-                           context=context)
+        relation_context = {**context, "class_features": class_features, "available": available}
+        loss = partial(pfedpm_loss, lam=h.lam, relation_weight=h.relation_weight, regulariser=h.regulariser,
+                       detach_body=h.relation_detach_body)
+        if not bool(available.any()):  # no class feature yet (round 1): psi has nothing to score
+            params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=h.lam, regulariser=h.regulariser),
+                               context=context)
+        elif h.relation_training == "joint":
+            trained = yield Fit(client["params"], loss=loss, context=relation_context,
+                                extra=relation_extra(psi, statistics))
+            params, (psi, statistics) = without_relation(trained), relation_from(trained)
+        else:  # alternate, step 1: psi fixed in the context; detached, the term would be 0: left out
+            fixed = {**relation_context, "relation": psi} if not h.relation_detach_body else context
+            params = yield Fit(client["params"], loss=loss, context=fixed)
         features, means, counts = self.local_features(params, data)
-        relation, stats = client["relation"], client["relation_stats"]
-        if use_relation:
-            class_ids = available.nonzero().squeeze(1)
-            relation, stats, _ = train_relation(
-                relation, stats, features, data.y_train, class_features[class_ids], class_ids,
-                epochs=h.relation_epochs or self.setup.local_epochs, batch_size=h.relation_batch_size,
-                lr=h.relation_lr, momentum=h.relation_momentum, weight=h.relation_weight,
-                generator=torch_generator(self.setup.seed, rnd, cid, "rpfedpm"))
-        state = {"params": params, "local": means, "has_local": counts > 0, "relation": relation,
-                 "relation_stats": stats, "class_features": class_features, "available": available}
+        if bool(available.any()) and h.relation_training == "alternate":
+            trained = yield self.relation_fit(params, psi, statistics, features, relation_context)
+            psi, statistics = relation_from(trained)
+        state = {"params": params, "local": means, "has_local": counts > 0, "relation": psi,
+                 "relation_stats": statistics, "class_features": class_features, "available": available}
         return state, self.upload(means, counts)
+
+    def relation_fit(self, params: Params, psi: Params, statistics: Params, features: torch.Tensor,
+                     relation_context: dict[str, Any]) -> Fit:
+        """Alternate form, step 2: psi alone (the model frozen) on relation_weight * L_rel over the
+        body's eval-mode features of the training data, its own optimizer slot "relation"."""
+        return Fit(params, loss=partial(relation_only_loss, weight=self.h.relation_weight), trainable="none",
+                   epochs=self.h.relation_epochs, context={**relation_context, "features": features},
+                   extra=relation_extra(psi, statistics), optimizer="relation")
 
     def predict(self, cid: int, server: Any, client: dict, features: torch.Tensor) -> torch.Tensor:
         """argmax_{c in K_i} r_{b,c} against the class features of the client's last training.

@@ -9,8 +9,10 @@ decompressed once into a local cache so later runs skip the slow xz decoding.
 from __future__ import annotations
 
 import hashlib
+import io
 import lzma
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,28 +140,85 @@ def _cache_root(cache_dir: str | None) -> Path:
 
 
 def _read_npz(root: Path, name: str, cache_root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    source = root / name / f"{name}.npz.xz"
+    """The x, y, test arrays of `root/name/name.npz.xz`, checked (`_check_arrays`); decoded once
+    into the cache. Nothing is cached until the decoded file has been checked, and a cached file
+    that no longer reads is decoded again, so a bad file never sticks in the cache."""
+    source = (root / name / f"{name}.npz.xz").resolve()
     if not source.is_file():
         raise DataError(f"missing dataset file {source}: copy {name}/{name}.npz.xz into the data "
                         f"directory (format: ../shared/datasets/README.md) or point data_dir elsewhere")
     expected = _expected_checksum(root, f"{name}/{name}.npz.xz")
     stat = source.stat()
-    cached = cache_root / f"{name}-{expected or f'{stat.st_size}-{int(stat.st_mtime)}'}.npz"
-    if not cached.is_file():
-        raw = source.read_bytes()
-        if expected is not None and hashlib.sha256(raw).hexdigest() != expected:
-            raise DataError(f"corrupt dataset file {source}: its SHA-256 does not match SHA256SUMS; "
-                            f"copy the file again from the original source")
+    cached = cache_root.absolute() / f"{name}-{expected or f'{stat.st_size}-{int(stat.st_mtime)}'}.npz"
+    if cached.is_file():
         try:
-            payload = lzma.decompress(raw)
-        except lzma.LZMAError as err:
-            raise DataError(f"corrupt dataset file {source}: xz decoding failed ({err}); copy it again") from err
+            return _check_arrays(_load_arrays(cached, source), name, source)
+        except DataError:
+            cached.unlink(missing_ok=True)  # damaged or stale: decode the source again below
+    payload = _decode(source, expected)
+    arrays = _check_arrays(_load_arrays(io.BytesIO(payload), source), name, source)
+    try:
         atomic_write_bytes(cached, payload)
-    with np.load(cached) as arrays:
-        missing = {"x", "y", "test"} - set(arrays.files)
-        if missing:
-            raise DataError(f"dataset file {source} lacks arrays {sorted(missing)}; expected x, y, test")
-        return arrays["x"], arrays["y"], arrays["test"]
+    except OSError as err:
+        raise DataError(f"cannot write the dataset cache {cached} ({err.strerror}): set PFEDKIT_CACHE to a "
+                        f"writable folder") from None
+    return arrays
+
+
+def _decode(source: Path, expected: str | None) -> bytes:
+    """The decompressed bytes of an xz file, checked against its SHA-256 when one is expected."""
+    try:
+        raw = source.read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read dataset file {source} ({err.strerror})") from None
+    if expected is not None and hashlib.sha256(raw).hexdigest() != expected:
+        raise DataError(f"corrupt dataset file {source}: its SHA-256 does not match SHA256SUMS; "
+                        f"copy the file again from the original source")
+    try:
+        return lzma.decompress(raw)
+    except lzma.LZMAError as err:
+        raise DataError(f"corrupt dataset file {source}: xz decoding failed ({err}); copy it again") from None
+
+
+def _load_arrays(file: Path | io.BytesIO, source: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x, y, test from an .npz (a path or bytes); DataError naming `source` for anything else."""
+    try:
+        loaded = np.load(file, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a lone .npy array
+            raise ValueError("not an .npz archive")
+        with loaded as arrays:
+            missing = {"x", "y", "test"} - set(arrays.files)
+            if missing:
+                raise DataError(f"dataset file {source} lacks arrays {sorted(missing)}; expected x, y, test")
+            return arrays["x"], arrays["y"], arrays["test"]
+    except DataError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise DataError(f"dataset file {source} does not hold an .npz archive (arrays x, y, test) inside its xz "
+                        "wrapping; copy the file again (format: ../shared/datasets/README.md)") from None
+
+
+def _check_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], name: str,
+                  source: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays must describe one sample per row: as many labels and test flags as images,
+    integer labels in [0, classes), images of the dataset's shape. Anything else would train on
+    misaligned labels (a file whose x and y lengths differed reported 100% accuracy)."""
+    x, y, test = arrays
+    info = DATASETS[name]
+    if not (len(x) == len(y) == len(test)):
+        raise DataError(f"dataset file {source}: x has {len(x)} rows, y {len(y)} and test {len(test)}; "
+                        "expected one label and one test flag per image")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"dataset file {source}: y must be a 1-D integer array of labels "
+                        f"(got shape {y.shape}, dtype {y.dtype})")
+    if len(y) and (y.min() < 0 or y.max() >= info.num_classes):
+        raise DataError(f"dataset file {source}: labels run from {y.min()} to {y.max()}; {name} has "
+                        f"{info.num_classes} classes, labelled 0..{info.num_classes - 1}")
+    shape = tuple(_normalise_images(x[:1]).shape[1:]) if x.ndim in (3, 4) else tuple(x.shape[1:])
+    if x.dtype != np.uint8 or shape != info.input_shape:
+        raise DataError(f"dataset file {source}: images of shape {tuple(x.shape[1:])} and dtype {x.dtype}; "
+                        f"expected uint8 images giving inputs of shape {info.input_shape}")
+    return arrays
 
 
 def _expected_checksum(root: Path, relative: str) -> str | None:

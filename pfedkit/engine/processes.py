@@ -3,10 +3,11 @@
 Workers are forked once per run, so they inherit the in-memory client tensors (the data are
 shared with them once, never copied per round). Each worker owns a `LocalTrainer` and a
 `ModelEvaluator` with `threads` torch threads (1 by default: on a shared 2-core machine two
-1-thread workers hold up far better than one 2-thread process). Idle workers pull the next job
-(`dispatch_order`: largest client first for a few jobs, client order for many). Every job
-carries its own seeds, so results are identical to the sequential backend run with the same
-thread count, whatever the number of workers.
+1-thread workers hold up far better than one 2-thread process); the algorithm's code in this
+process (client updates, broadcast, aggregation, custom predict) runs with the same count. Idle
+workers pull the next job (`dispatch_order`: largest client first for a few jobs, client order
+for many). Every job carries its own seeds, so results are identical to the sequential backend
+run with the same thread count, whatever the number of workers.
 
 Jobs and results travel through `pfedkit.engine.transport` (`Channels`): the tensors that several
 jobs carry (the broadcast model) are written once per wave into a shared arena mapped by every
@@ -15,8 +16,10 @@ only references go through the pool's pipes. Results stream back as they are don
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
@@ -93,6 +96,30 @@ def _evaluate(payload: bytes) -> bytes:
     return _WORKER["channels"].serve(payload, _WORKER["worker"].evaluate)
 
 
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's omp_pause_soft (OpenMP 5.0)
+
+
+def release_openmp_threads() -> bool:
+    """Free this process's OpenMP thread pools before forking workers; False where one could not be.
+
+    GNU OpenMP (torch's libgomp) is not fork-safe: a child forked after the parent ran a parallel
+    region with two or more threads hangs in its first such region of its own (its pool lists the
+    parent's threads, which the child does not have), so `threads=2` workers hung whenever this
+    process had computed with two threads before. `omp_pause_resource_all` empties the pools; this
+    process's next parallel region starts fresh threads."""
+    from threadpoolctl import threadpool_info
+
+    released = True
+    for pool in threadpool_info():
+        if pool["user_api"] != "openmp":
+            continue
+        try:
+            released &= ctypes.CDLL(pool["filepath"]).omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+        except (OSError, AttributeError):  # a runtime older than OpenMP 5.0
+            released = False
+    return released
+
+
 def model_bytes(build: Callable[[], nn.Module]) -> int:
     return message_bytes(build().state_dict())
 
@@ -112,10 +139,14 @@ class ProcessRuntime:
             raise RuntimeError("the processes backend needs the 'fork' start method (Linux); use backend=sequential")
         self.data = data
         self.workers = workers or default_workers()
+        self.threads = threads or 1  # each worker's; the round loop runs this process's work with it too
         largest = max(model_bytes(b) for b in [build, *(builds or {}).values()])
         self.channels = Channels(largest, self.workers)
+        if not release_openmp_threads() and self.threads > 1:
+            warnings.warn("processes backend: this OpenMP runtime cannot release its threads before the fork; "
+                          f"workers with threads={self.threads} may hang (use threads=1)", RuntimeWarning, stacklevel=2)
         self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_worker,
-                                                initargs=(self.channels, build, settings, data, threads or 1, builds,
+                                                initargs=(self.channels, build, settings, data, self.threads, builds,
                                                           model_keys))
         self.broken = False  # a stream was abandoned: workers may wait on slots forever
         # Custom-predict evaluations (closures over algorithm state) stay in this process.
@@ -145,17 +176,24 @@ class ProcessRuntime:
         payloads = (channels.job(item, wave, [t for t in transport.tensors_in(carried(item)) if id(t) not in wave])
                     for item in handed_out(items))
         finished = False
-        # While the workers train, this process (copying results out, folding them into the
-        # aggregate) runs on one torch thread: a second one spins between operations and takes
-        # the core a worker needs (FedAvg at 1,000 clients: 18 s of this process's CPU a round).
-        with thread_count(1):
-            try:
-                for payload in self.pool.imap_unordered(task, payloads, chunksize=1):
-                    yield channels.result(payload)
-                finished = True
-            finally:
-                if not finished:
-                    channels.abandoned = self.broken = True
+        results = self.pool.imap_unordered(task, payloads, chunksize=1)
+        try:
+            while True:
+                # While the workers train, this process waits and copies results out on one torch
+                # thread: a second one spins between operations and takes the core a worker needs
+                # (FedAvg at 1,000 clients: 18 s of this process's CPU a round). The count is
+                # restored before each yield: the caller's code (client updates, the aggregation)
+                # runs at the run's count, as in every backend.
+                with thread_count(1):
+                    payload = next(results, None)
+                    if payload is None:
+                        break
+                    result = channels.result(payload)
+                yield result
+            finished = True
+        finally:
+            if not finished:
+                channels.abandoned = self.broken = True
 
     def close(self) -> None:
         if self.broken:

@@ -54,7 +54,8 @@ class RayRuntime:
         count = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(ClientWorker)
         shared = ray.put(data)  # once per run: every actor reads the same copy
-        self.actors = [actor.remote(build, settings, shared, threads or 1, builds, model_keys) for _ in range(count)]
+        self.threads = threads or 1  # each actor's; the round loop runs this process's work with it too
+        self.actors = [actor.remote(build, settings, shared, self.threads, builds, model_keys) for _ in range(count)]
         self.pool = ActorPool(self.actors)
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 

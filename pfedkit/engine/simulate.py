@@ -3,10 +3,19 @@
 Client updates are generators (see `pfedkit.algorithms.base`); `drive_clients` steps all of a
 round's participants in lock-step and hands every pending `Fit` request of a step to the runtime
 at once, which is what lets a runtime train them in parallel or as one batched computation.
+
+Threads: a run computes with ONE thread count, its clients' side's `threads` (the runtime's: the
+config's `threads`, else 1 for processes / ray / Flower nodes and this process's torch count for
+sequential / vectorized). `Simulation.initial_state` and `run_round` run under it
+(`compute_threads`: torch and the BLAS/OpenMP pools), so every algorithm hook (init, reports,
+collect, broadcast, each step of client_update, the aggregation, client_model, adapt, predict)
+computes with the same count as the runtime's Fits, whichever backend runs them. A runtime may
+change the count inside its own calls and restores it before it returns or yields.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -18,6 +27,7 @@ import numpy as np
 from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
+from pfedkit.engine.runtime import compute_threads, resolved_threads
 from pfedkit.engine.seeds import sample_clients
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
@@ -42,6 +52,19 @@ class SimState:
     # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
     # client-side memory, checkpointed, never sent; a list, or DiskStates like `clients`.
     optimizer_states: list[dict[str, Any]] = field(default_factory=list)
+
+
+class TrainingDiverged(RuntimeError):
+    """A client's training loss became NaN or infinite: the run stops at that round (every later
+    number would be NaN). `hint` is what the caller adds: what to change and what was kept."""
+
+    def __init__(self, rnd: int, cid: int, loss: float) -> None:
+        super().__init__(rnd, cid, loss)
+        self.round, self.client, self.loss, self.hint = rnd, cid, loss, ""
+
+    def __str__(self) -> str:
+        message = f"training diverged in round {self.round}: client {self.client}'s training loss is {self.loss}"
+        return f"{message}; {self.hint}" if self.hint else message
 
 
 @dataclass
@@ -89,6 +112,8 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: 
         # The runtime empties the list as it hands jobs out and `_in_client_order` drops each job
         # once its result is used, so a client's old model is freed as soon as its new one exists.
         for job, outcome in _in_client_order(jobs, runtime.fit_stream(list(jobs.values()))):
+            if not math.isfinite(outcome.mean_loss):
+                raise TrainingDiverged(rnd, job.cid, outcome.mean_loss)
             buffers[job.cid] = outcome.buffers
             if optimizer_states is not None and outcome.optimizer_state is not None:
                 kept = optimizer_states[job.cid]  # read, changed, written back: states may live on disk
@@ -135,6 +160,8 @@ class LocalClients:
                  num_classes: int, eval_point: str = "after_download", placement: Placement = Placement()) -> None:
         self.algorithm, self.clients, self.runtime = algorithm, clients, runtime
         self.num_classes, self.eval_point, self.placement = num_classes, eval_point, placement
+        # The thread count the clients compute with: the runtime's (see the module docstring).
+        self.threads = resolved_threads(getattr(runtime, "threads", None))
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
         """Every client's initial state, from its initial weights, in memory or on disk
@@ -240,11 +267,17 @@ class Simulation:
         self.eval_point = eval_point
         self.clients = clients or LocalClients(algorithm, data.clients, runtime, data.num_classes, eval_point,
                                                    placement)
+        # Server-side code computes with the clients' count, so no number depends on the backend.
+        self.threads = resolved_threads(getattr(self.clients, "threads", None))
 
     def initial_state(self, params, buffers, client_params: list | None = None,
                       client_buffers: list | None = None) -> SimState:
         """`params`/`buffers`: the default architecture's initial weights (the server's, and every
         client's unless `client_params`/`client_buffers` give each client its own: heterogeneous models)."""
+        with compute_threads(self.threads):
+            return self._initial_state(params, buffers, client_params, client_buffers)
+
+    def _initial_state(self, params, buffers, client_params: list | None, client_buffers: list | None) -> SimState:
         algo, n = self.algorithm, self.data.num_clients
         state = SimState(0, None, [], [])
         self.clients.start(state, client_params or [params] * n, client_buffers or [buffers] * n,
@@ -264,6 +297,10 @@ class Simulation:
         return {cid: message_bytes(report) for cid, report in reports.items()}
 
     def run_round(self, state: SimState) -> RoundReport:
+        with compute_threads(self.threads):
+            return self._run_round(state)
+
+    def _run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1
         algo, n = self.algorithm, self.data.num_clients
         algo.diagnostics = state.diagnostics

@@ -8,6 +8,7 @@ mini-batch is one index gather; no DataLoader.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch.func import functional_call
 
 from pfedkit.algorithms.base import Batch, Fit, Forward
 from pfedkit.algorithms.params import Params, unprefixed
+from pfedkit.engine.device import seed_device_generator, to_device
 from pfedkit.engine.seeds import derive_seed, torch_generator
 
 
@@ -110,8 +112,13 @@ def request_schedule(request: Fit, settings: TrainSettings, n: int, generator: t
 
 
 class LocalTrainer:
-    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings) -> None:
-        self.model = build()
+    """Trains on `device`: the model lives there, `fit` takes x and y already there (the runtime
+    keeps each client's data on the device) and host parameters, and returns host tensors."""
+
+    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.device = device
+        self.model = build().to(device)
         self.settings = settings
         self.parameters = dict(self.model.named_parameters())
         self.buffers = dict(self.model.named_buffers())
@@ -122,7 +129,7 @@ class LocalTrainer:
         return features, self.model.head(features)
 
     def fit(self, job: FitJob, x: torch.Tensor, y: torch.Tensor) -> FitOutcome:
-        request, s = job.request, self.settings
+        request, s = self._on_device(job.request), self.settings
         self._load(request.params, job.buffers)
         live = self._live(request)
         trainable = self._set_trainable(request.trainable, live)
@@ -130,21 +137,27 @@ class LocalTrainer:
         self.model.train()
         # Dropout draws from torch's global generator: seed it per job (and restore it after), so
         # results do not depend on which clients a process trained before this one.
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator only: torch.manual_seed also seeds every accelerator backend, which
-            # on a CPU build records a stack trace per backend (~1 ms a job).
-            torch.default_generator.manual_seed(derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout")))
-            schedule = request_schedule(request, s, len(y), generator)
+        on_gpu = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if on_gpu else []):
+            # This device's generator only: torch.manual_seed also seeds every accelerator backend,
+            # which on a CPU build records a stack trace per backend (~1 ms a job).
+            dropout_seed = derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout"))
+            torch.default_generator.manual_seed(dropout_seed)
+            seed_device_generator(self.device, dropout_seed)
+            schedule = [batch.to(self.device) for batch in request_schedule(request, s, len(y), generator)] \
+                if on_gpu else request_schedule(request, s, len(y), generator)
             if request.step is not None:
                 return self._fit_custom(request, live, trainable, schedule, x, y)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),
                                         momentum=s.momentum, weight_decay=s.weight_decay, foreach=True)
             self._load_momentum(optimizer, live, job.optimizer_state)
-            total, samples = 0.0, 0
+            # Summed in float64 on the device: the same numbers as adding Python floats, without
+            # a host synchronisation per step on a GPU.
+            total, samples = torch.zeros((), dtype=torch.float64, device=self.device), 0
             for batch in schedule:
                 total += self._step(request, optimizer, live, trainable, x[batch], y[batch], batch)
                 samples += len(batch)
-        return FitOutcome(self._params_out(live), self._buffers_out(), total / max(len(schedule), 1),
+        return FitOutcome(self._params_out(live), self._buffers_out(), float(total) / max(len(schedule), 1),
                           len(schedule), samples, self._momentum_out(optimizer, live, job.optimizer_state))
 
     def _fit_custom(self, request: Fit, live: Params, trainable: list[str], schedule: list[torch.Tensor],
@@ -169,12 +182,19 @@ class LocalTrainer:
             logits = functional_call(self.model.head, unprefixed(params, "head"), (features,), strict=False)
         return features, logits
 
+    def _on_device(self, request: Fit) -> Fit:
+        """The request with its context and extra tensors on the trainer's device."""
+        if self.device.type == "cpu":
+            return request
+        return dataclasses.replace(request, context=to_device(request.context, self.device),
+                                   extra=to_device(request.extra, self.device))
+
     def _live(self, request: Fit) -> Params:
         """The model's parameters (the module's own tensors) and leaf copies of `request.extra`."""
         extra = {name: t.detach().clone().requires_grad_(True) for name, t in request.extra.items()}
         return {**self.parameters, **extra}
 
-    def _step(self, request: Fit, optimizer, live, trainable, xb, yb, index) -> float:
+    def _step(self, request: Fit, optimizer, live, trainable, xb, yb, index) -> torch.Tensor:
         try:
             loss = self._loss_and_backward(request, optimizer, live, xb, yb, index)
         except Exception as err:  # noqa: BLE001 - a compiler failure surfaces as any exception
@@ -187,7 +207,7 @@ class LocalTrainer:
         if self.settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_([live[n] for n in trainable], self.settings.grad_clip, foreach=True)
         optimizer.step()
-        return float(loss.detach())
+        return loss.detach().double()
 
     def _loss_and_backward(self, request: Fit, optimizer, live, xb, yb, index) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -200,7 +220,7 @@ class LocalTrainer:
 
     def _precision(self):
         if self.settings.precision == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -220,7 +240,7 @@ class LocalTrainer:
             return
         for name, tensor in live.items():
             if tensor.requires_grad and name in saved:
-                optimizer.state[tensor]["momentum_buffer"] = saved[name].clone()
+                optimizer.state[tensor]["momentum_buffer"] = saved[name].to(self.device, copy=True)
 
     def _momentum_out(self, optimizer: torch.optim.SGD, live: Params, saved: Params | None) -> Params | None:
         """The optimizer state to keep: buffers of the tensors trained now, the saved ones of the
@@ -231,7 +251,7 @@ class LocalTrainer:
         for name, tensor in live.items():
             buffer = optimizer.state.get(tensor, {}).get("momentum_buffer")
             if buffer is not None:
-                state[name] = buffer.detach().clone(memory_format=torch.contiguous_format)
+                state[name] = _to_host(buffer)
         return state
 
     def _set_trainable(self, part: str, live: Params) -> list[str]:
@@ -245,12 +265,20 @@ class LocalTrainer:
         return chosen
 
     def _params_out(self, live: Params) -> Params:
-        return {name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in live.items()}
+        return {name: _to_host(t) for name, t in live.items()}
 
     def _buffers_out(self) -> Params | None:
         if not self.buffers:
             return None
-        return {name: t.detach().clone() for name, t in self.buffers.items()}
+        return {name: t.detach().clone() if self.device.type == "cpu" else t.detach().cpu()
+                for name, t in self.buffers.items()}
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of `tensor` (a new tensor also on the CPU: results never alias the model)."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+    return tensor.detach().to("cpu", memory_format=torch.contiguous_format)
 
 
 def compiled(forward: Callable) -> Callable:

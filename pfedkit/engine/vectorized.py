@@ -35,9 +35,9 @@ with dropout are vectorized too (vmap randomness="different"), with a note: the 
 trainer draws its masks from torch's global RNG in client order, so no runtime can reproduce
 them; such runs agree in distribution only. bf16 runs under autocast inside vmap.
 
-Device: CUDA when available, else CPU (one line says which). Fallbacks and evaluations with an
-algorithm's custom `predict` run on the CPU, like the sequential runtime; evaluation otherwise
-loops over clients with large batches on the device (on the CPU it is the sequential evaluator).
+Device: the run's `device` (one line says which; see engine/device.py). Fallbacks run the
+sequential trainer on the same device, and evaluation is the sequential runtime's (on the
+device; an algorithm's custom `predict` on the host).
 """
 from __future__ import annotations
 
@@ -52,24 +52,13 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pfedkit.algorithms.base import Forward
-from pfedkit.algorithms.params import Params, unprefixed
+from pfedkit.algorithms.params import unprefixed
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.runtime import ByArchitecture, EvalItem, ModelEvaluator, thread_count
+from pfedkit.engine.device import describe_device
+from pfedkit.engine.runtime import EvalItem, SequentialRuntime, thread_count
 from pfedkit.engine.seeds import torch_generator
-from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings, batch_schedule, request_lr
-from pfedkit.evaluation import ClientEval, evaluate_logits_fn
-
-EVAL_BATCH = 1000  # the sequential evaluator's chunk size (same chunks -> same loss sums)
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"{device} (no CUDA device available)" if not torch.cuda.is_available() else str(device)
+from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings, batch_schedule, request_lr
+from pfedkit.evaluation import ClientEval
 
 
 def model_blocker(model: nn.Module) -> str | None:
@@ -129,30 +118,31 @@ class VectorizedRuntime:
     name = "vectorized"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 threads: int | None = None, device: str | torch.device | None = None,
+                 threads: int | None = None, device: str | torch.device = "cpu",
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
                  model_keys: Sequence[Hashable] | None = None) -> None:
         self.threads = threads
         self.settings, self.data = settings, data
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = torch.device(device)
         print(f"vectorized runtime: training on {describe_device(self.device)}", flush=True)
         self.model = build().to(self.device).train()  # a template: its own weights are never used
         self.names = [name for name, _ in self.model.named_parameters()]
         self.dtypes = {name: p.dtype for name, p in self.model.named_parameters()}
         self.blocker = model_blocker(self.model)
         self.dropout = dropout_layers(self.model)
-        # CPU reference for the fallbacks, one per architecture. With heterogeneous models only the
-        # clients whose builder is `build` are batched; the others train sequentially.
-        self.trainers = ByArchitecture(build, lambda b: LocalTrainer(b, settings), builds, model_keys)
-        self.evaluators = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
-        self.trainer, self.evaluator = self.trainers.default, self.evaluators.default
+        # The sequential trainer (on the same device) for the fallbacks, one per architecture. With
+        # heterogeneous models only the clients whose builder is `build` are batched; the others
+        # train sequentially. Evaluation is the sequential runtime's (on the device too).
+        self.sequential = SequentialRuntime(build, settings, data, threads=threads, builds=builds,
+                                            model_keys=model_keys, device=self.device)
+        self.trainers = self.sequential.trainers
+        self.trainer, self.evaluator = self.sequential.trainer, self.sequential.evaluator
         self.batchable = None if model_keys is None else [(builds or {})[key] is build for key in model_keys]
-        self.device_evaluator = ModelEvaluator(lambda: build().to(self.device), data.num_classes) \
-            if self.device.type != "cpu" else None
         self.reported: set[str] = set()
         self.jobs_vectorized = 0  # counters for tests and diagnostics
         self.jobs_sequential = 0
-        self._device_data: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool: tuple[torch.Tensor, torch.Tensor] | None = None  # see _training_pool
+        self.pool_offsets: list[int] = []
 
     # ------------------------------------------------------------------ training
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
@@ -228,20 +218,15 @@ class VectorizedRuntime:
             print(f"vectorized runtime: {text} (shown once per run)", flush=True)
 
     def _fallback(self, jobs: list[FitJob], category: str, reason: str, outcomes: dict[int, FitOutcome]) -> None:
-        self._note(category, f"falling back to the sequential trainer (CPU) for these Fit requests because {reason}")
+        self._note(category, f"falling back to the sequential trainer ({self.device.type}) for these Fit "
+                             f"requests because {reason}")
         for job in jobs:
-            client = self.data.clients[job.cid]
-            outcomes[job.cid] = self.trainers(job.cid).fit(job, client.x_train, client.y_train)
+            outcomes[job.cid] = self.trainers(job.cid).fit(job, *self._client_data(job.cid))
         self.jobs_sequential += len(jobs)
 
     def _client_data(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
         client = self.data.clients[cid]
-        if self.device.type == "cpu":
-            return client.x_train, client.y_train
-        key = (cid, "train")
-        if key not in self._device_data:  # moved once per run; the data are small next to the model
-            self._device_data[key] = (client.x_train.to(self.device), client.y_train.to(self.device))
-        return self._device_data[key]
+        return self.sequential.device_data.get(cid, "train", client.x_train, client.y_train)
 
     def _fit_group(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         jobs, schedules = self._ordered_schedules(jobs)
@@ -253,19 +238,55 @@ class VectorizedRuntime:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
                                   "client's masks from its own generator, the sequential trainer from a per-job seed; not "
                                   "the same masks, so results agree in distribution, not bit for bit")
-        data = [self._client_data(job.cid) for job in jobs]
+        x_all, y_all = self._training_pool()
         totals = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
+        for groups in self._step_plan(jobs, schedules):
+            for members, rows, pool_rows in groups:
+                batch = (x_all[pool_rows], y_all[pool_rows], rows)  # one gather per step and batch size
+                self._train_members(step, state, members, batch, request_lr(request, self.settings), totals)
+        return self._outcomes(jobs, state, schedules, totals.cpu())
+
+    def _training_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every client's training rows, concatenated on the device once per run (client c's rows
+        start at `self.pool_offsets[c]`): a step's batches of all clients are then one gather
+        instead of one indexing per client (the cost that dominated a step on a GPU)."""
+        if self._pool is None:
+            clients = self.data.clients
+            self.pool_offsets = [0]
+            for client in clients:
+                self.pool_offsets.append(self.pool_offsets[-1] + client.n_train)
+            x = torch.cat([client.x_train for client in clients]) if clients else torch.empty(0)
+            y = torch.cat([client.y_train for client in clients]) if clients else torch.empty(0)
+            self._pool = (x.to(self.device), y.to(self.device))
+        return self._pool
+
+    def _step_plan(self, jobs: list[FitJob], schedules: list[list[torch.Tensor]]):
+        """Per mini-batch step t, the groups of clients training at t with the same batch size:
+        (member positions, [k, B] rows in each client's training set, [k, B] rows of the pool),
+        built on the host and moved to the device in one transfer."""
+        layout, rows = [], []
         for t in range(max((len(schedule) for schedule in schedules), default=0)):
             by_size: dict[int, list[int]] = {}
             for k, schedule in enumerate(schedules):
                 if t < len(schedule):  # clients whose batches have run out are skipped
                     by_size.setdefault(len(schedule[t]), []).append(k)
-            for members in by_size.values():
-                index = torch.stack([schedules[k][t] for k in members])
-                xb = torch.stack([data[k][0][schedules[k][t]] for k in members])
-                yb = torch.stack([data[k][1][schedules[k][t]] for k in members])
-                self._train_members(step, state, members, (xb, yb, index), request_lr(request, self.settings), totals)
-        return self._outcomes(jobs, state, schedules, totals.cpu())
+            for size, members in by_size.items():
+                layout.append((t, members, size))
+                rows.append(torch.stack([schedules[k][t] for k in members]).reshape(-1))
+        if not rows:
+            return []
+        offsets = torch.tensor([self.pool_offsets[job.cid] for job in jobs])
+        local = torch.cat(rows)
+        owner = torch.cat([torch.tensor(members).repeat_interleave(size) for _, members, size in layout])
+        both = torch.stack([local, local + offsets[owner]]).to(self.device)
+        plan: list[list] = [[] for _ in range(layout[-1][0] + 1)]
+        start = 0
+        for t, members, size in layout:
+            stop = start + len(members) * size
+            plan[t].append((members, both[0, start:stop].view(len(members), size),
+                            both[1, start:stop].view(len(members), size)))
+            start = stop
+        return plan
 
     def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
         """Each job's mini-batches (seeded as in LocalTrainer), jobs sorted by decreasing number of
@@ -277,10 +298,7 @@ class VectorizedRuntime:
                      for job in jobs}
         jobs = sorted(jobs, key=lambda job: (-len(schedules[job.cid]),
                                              -len(schedules[job.cid][-1]) if schedules[job.cid] else 0))
-        ordered = [schedules[job.cid] for job in jobs]
-        if self.device.type != "cpu":
-            ordered = [_to_device(schedule, self.device) for schedule in ordered]
-        return jobs, ordered
+        return jobs, [schedules[job.cid] for job in jobs]
 
     def _stack_group(self, jobs: list[FitJob]) -> dict[str, Any]:
         """Trainable parameters and momentum stacked [K, ...]; frozen parameters and context
@@ -288,8 +306,7 @@ class VectorizedRuntime:
         part = jobs[0].request.trainable
         trainable = [n for n in self.names if part == "all" or n.startswith(part + ".")]
         frozen = [n for n in self.names if n not in trainable]
-        params = {n: torch.stack([job.request.params[n].detach().to(self.device, self.dtypes[n]) for job in jobs])
-                  for n in trainable}
+        params = {n: self._stacked_copy([job.request.params[n] for job in jobs], self.dtypes[n]) for n in trainable}
         flat = [tree_flatten(job.request.context) for job in jobs]
         leaves, spec = flat[0]
         constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
@@ -301,6 +318,16 @@ class VectorizedRuntime:
                                  for client_leaves, _ in flat], self.device),
             "context_layout": (spec, constants, len(leaves)),
         }
+
+    def _stacked_copy(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """[K, ...] copy of the clients' tensors on the device. The very same tensor for every
+        client (the global model FedAvg sends) crosses to the device once and is repeated there:
+        at 1,000 clients that is one FedAvgCNN transfer instead of 2.3 GB."""
+        first = tensors[0]
+        if all(t is first for t in tensors):
+            one = first.detach().to(self.device, dtype)
+            return one.unsqueeze(0).expand(len(tensors), *one.shape).clone()
+        return torch.stack([t.detach().to(self.device, dtype) for t in tensors])
 
     def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Momentum buffers [K, ...]: each client's saved buffer (keep_optimizer_state), else zeros
@@ -410,35 +437,11 @@ class VectorizedRuntime:
             return self._evaluate_all(items)
 
     def _evaluate_all(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        out = {}
-        for cid, params, buffers, predict in items:
-            client = self.data.clients[cid]
-            other_model = self.batchable is not None and not self.batchable[cid]
-            if self.device_evaluator is None or predict is not None or other_model:
-                out[cid] = self.evaluators(cid).evaluate(params, buffers, client.x_test, client.y_test, predict)
-            else:
-                out[cid] = self._evaluate_on_device(cid, params, buffers)
-        return out
-
-    @torch.no_grad()
-    def _evaluate_on_device(self, cid: int, params: Params, buffers: Params | None) -> ClientEval:
-        """Logits on the device in the sequential evaluator's chunks; counts and losses on the CPU."""
-        evaluator, client = self.device_evaluator, self.data.clients[cid]
-        for name, tensor in evaluator.parameters.items():
-            tensor.copy_(params[name])
-        for name, tensor in (buffers or {}).items():
-            evaluator.buffers[name].copy_(tensor)
-        key = (cid, "test")
-        if key not in self._device_data:
-            self._device_data[key] = (client.x_test.to(self.device), client.y_test.to(self.device))
-        x = self._device_data[key][0]
-        logits = torch.cat([evaluator.model(x[i:i + EVAL_BATCH]).float() for i in range(0, len(x), EVAL_BATCH)]) \
-            if len(x) else torch.zeros(0, self.data.num_classes, device=self.device)
-        return evaluate_logits_fn(lambda chunk: chunk, logits.cpu(), client.y_test, self.data.num_classes,
-                                  batch_size=EVAL_BATCH)
+        return self.sequential.evaluate_many(items)
 
     def close(self) -> None:
-        self._device_data.clear()
+        self.sequential.close()
+        self._pool = None
 
 
 def _needs_trainer(request) -> bool:
@@ -456,11 +459,3 @@ def _first_sentence(err: Exception, limit: int = 300) -> str:
     end = text.find(". ")
     text = text if end < 0 else text[:end + 1]
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _to_device(schedule: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move a schedule's index tensors to the device in one transfer."""
-    if not schedule:
-        return schedule
-    joined = torch.cat(schedule).to(device)
-    return list(torch.split(joined, [len(batch) for batch in schedule]))

@@ -7,6 +7,8 @@ Layout of a comparison directory:
 Every entry runs on the same partition and client-sampling stream for a given seed, because both
 derive from the seed alone. Running the same request again reuses finished runs, resumes a half
 run from its checkpoint, and refuses a directory whose runs were made with other settings.
+A request with fewer entries or seeds than an earlier one keeps the earlier finished cells
+(manifest and tables hold them all), provided they share the settings this request holds fixed.
 """
 from __future__ import annotations
 
@@ -22,14 +24,14 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from pfedkit.atomic import atomic_write_text
+from pfedkit.atomic import atomic_write_json, atomic_write_text
 from pfedkit.config import Config, ConfigError, load_config
+# EXECUTION_KEYS (where or how fast a run executes, not what it computes: a resumed comparison may
+# change them) now lives in run_identity, with `identity`; still importable from here.
+from pfedkit.run_identity import EXECUTION_KEYS  # noqa: F401
+from pfedkit.run_identity import MISSING, changed_keys, describe_changes, flatten, identity
 
 MANIFEST = "comparison.json"
-# Keys that say where or how fast a run executes, not what it computes (runs are identical across
-# backends and worker counts): a resumed comparison may change them.
-EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every", "ray", "flower",
-                  "compile", "client_states")
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,6 @@ def run_name(entry: Entry, seed: int) -> str:
     return f"{slug(f'{entry.group}-{entry.label}' if entry.group else entry.label)}-s{seed}"
 
 
-def identity(config: Config) -> dict[str, Any]:
-    """What a run computes: its resolved config without the execution keys."""
-    data = config.to_dict()
-    for key in EXECUTION_KEYS:
-        data.pop(key, None)
-    return data
-
-
 def plan_runs(out_dir: Path, entries: list[Entry], seeds: list[int]) -> list[tuple[RunRecord, Config]]:
     """Validate every (entry, seed) config up front; entries with the same config share runs."""
     planned, by_identity = [], {}
@@ -87,7 +81,7 @@ def write_manifest(out_dir: Path, records: list[RunRecord], seeds: list[int], ex
                             "algorithm": record.entry.config.get("algorithm"), "runs": {}})
         entries[-1]["runs"][str(record.seed)] = str(record.run_dir.relative_to(out_dir))
     manifest = {"seeds": seeds, "entries": entries, **extra}
-    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))
+    atomic_write_json(out_dir / MANIFEST, manifest)
 
 
 def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], *, quiet: bool = True,
@@ -100,8 +94,11 @@ def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], 
         raise ConfigError("a comparison needs at least one entry and one seed")
     out_dir = Path(out_dir)
     planned = plan_runs(out_dir, entries, seeds)
+    earlier = read_manifest(out_dir)
+    kept = finished_cells_kept(out_dir, earlier, planned)
+    records = in_table_order(earlier, [record for record, _ in planned] + kept)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_manifest(out_dir, [record for record, _ in planned], seeds, extra or {})
+    write_manifest(out_dir, records, sorted({record.seed for record in records}), extra or {})
     done: dict[Path, dict[str, Any]] = {}
     for number, (record, config) in enumerate(planned, 1):
         if record.run_dir not in done:
@@ -110,8 +107,65 @@ def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], 
                 f"{record.entry.label} seed {record.seed}: {how} ({record.run_dir})")
         record.summary = done[record.run_dir]
         if after_each is not None:
-            after_each([r for r, _ in planned if r.summary])
-    return [record for record, _ in planned]
+            after_each([r for r in records if r.summary])
+    return records
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    """The directory's comparison.json ({} if none yet)."""
+    manifest_file = out_dir / MANIFEST
+    return json.loads(manifest_file.read_text()) if manifest_file.is_file() else {}
+
+
+def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tuple[RunRecord, Config]]
+                        ) -> list[RunRecord]:
+    """The finished (entry, seed) cells of the `earlier` manifest that this request does not plan,
+    with their summaries: a rerun with a subset of the entries or seeds adds to the table instead
+    of replacing it. Refused (ConfigError naming the keys) when a kept cell differs from this
+    request in a setting all planned runs share (rounds, data, partition...): the table would
+    mix settings."""
+    if not earlier:
+        return []
+    planned_cells = {(record.entry.group, record.entry.label, record.seed) for record, _ in planned}
+    fixed = shared_settings([config for _, config in planned])
+    kept = []
+    for item in earlier.get("entries", []):
+        group, label = item.get("group", ""), item.get("label", "")
+        for seed, path in item.get("runs", {}).items():
+            run_dir = out_dir / path
+            if (group, label, int(seed)) in planned_cells or not (run_dir / "summary.json").is_file():
+                continue  # replanned, or never finished (its directory stays, for a later request)
+            config = load_config(run_dir / "config.yaml")
+            stored = flatten(identity(config))
+            changes = changed_keys({key: stored.get(key, MISSING) for key in fixed}, fixed)
+            if changes:
+                raise ConfigError(f"{out_dir}: its finished run {path} was made with other settings "
+                                  f"({describe_changes(changes)}); rerun with those settings to add to its "
+                                  "table, or use another --out directory")
+            entry = Entry(label, config.to_dict(), group)
+            kept.append(RunRecord(entry, int(seed), run_dir, json.loads((run_dir / "summary.json").read_text())))
+    return kept
+
+
+def shared_settings(configs: list[Config]) -> dict[str, Any]:
+    """The dotted settings with one value in all `configs`, leaving out what a comparison varies
+    on purpose: the algorithm, algorithm sections and the seed."""
+    from pfedkit.algorithms import algorithm_names
+
+    varied = {"algorithm", "seed", *algorithm_names()}
+    flats = [flatten(identity(config)) for config in configs]
+    return {key: value for key, value in flats[0].items()
+            if key.split(".")[0] not in varied and all(key in flat and flat[key] == value for flat in flats[1:])}
+
+
+def in_table_order(earlier: dict[str, Any], records: list[RunRecord]) -> list[RunRecord]:
+    """Entries in the order of the `earlier` manifest, new ones after (in request order); seeds ascending."""
+    order: dict[tuple[str, str], int] = {}
+    for item in earlier.get("entries", []):
+        order.setdefault((item.get("group", ""), item.get("label", "")), len(order))
+    for record in records:
+        order.setdefault((record.entry.group, record.entry.label), len(order))
+    return sorted(records, key=lambda record: (order[(record.entry.group, record.entry.label)], record.seed))
 
 
 def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any], str]:
@@ -121,9 +175,10 @@ def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any
 
     if (run_dir / "config.yaml").is_file():
         stored = load_config(run_dir / "config.yaml")
-        if identity(stored) != identity(config):
-            raise ConfigError(f"{run_dir} was made with other settings; use another --out directory "
-                              "or delete that run")
+        changes = changed_keys(identity(stored), identity(config))
+        if changes:
+            raise ConfigError(f"{run_dir} was made with other settings ({describe_changes(changes)}); "
+                              "use another --out directory or delete that run")
         if (run_dir / "summary.json").is_file():
             return json.loads((run_dir / "summary.json").read_text()), "reused"
         summary, how = run(resume=run_dir, quiet=quiet).summary, "resumed"

@@ -16,9 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pfedkit.config import ConfigError, deep_merge
+from pfedkit.config import ConfigError, deep_merge, did_you_mean
 
-BUDGETS = ("smoke", "cpu", "paper")
+# regime: the paper's per-round regime for every client (its local epochs, batch size, lr and samples
+# per client), with fewer clients and/or rounds and, optionally, only the rows carrying the claim
+BUDGETS = ("smoke", "cpu", "regime", "paper")
 PAPERS = ("fedrema", "pfedpm", "cwfedavg", "pfedcs", "dapfl")
 # summary.json keys a table may compare with the paper's numbers
 METRICS = ("best_acc", "last5_acc", "last10_acc", "final_acc", "best_acc_unweighted", "last5_acc_unweighted",
@@ -52,6 +54,8 @@ class Budget(BaseModel):
 
     config: dict[str, Any] = Field(default_factory=dict)
     seeds: int | None = Field(None, ge=1, description="None: the table's number of seeds")
+    rows: list[str] | None = Field(None, description="run only these methods (None: every implemented row)")
+    columns: list[str] | None = Field(None, description="run only these columns (None: every column)")
     reduced: str = ""
 
 
@@ -132,14 +136,35 @@ class Paper(BaseModel):
         missing = [b for b in ("smoke", "cpu") if b not in self.budgets]
         if missing:
             raise ValueError(f"budgets: {', '.join(missing)} missing")
+        unknown = [b for table in self.tables for b in [*self.budgets, *table.budgets] if b not in BUDGETS]
+        if unknown or "paper" in self.budgets:
+            raise ValueError(f"budgets: {', '.join(unknown) or 'paper'} not allowed; allowed: "
+                             f"{', '.join(b for b in BUDGETS if b != 'paper')} (paper is the paper's own setting)")
+        for table in self.tables:
+            methods, names = [row.method for row in table.rows], [column.name for column in table.columns]
+            for name in {*self.budgets, *table.budgets}:
+                budget = self.budget(table, name)
+                for kind, chosen, allowed in (("rows", budget.rows, methods), ("columns", budget.columns, names)):
+                    strays = [item for item in chosen or [] if item not in allowed]
+                    if strays:
+                        raise ValueError(f"table {table.id}, budget {name}: {kind} {strays} are not in the "
+                                         f"table; allowed: {allowed}")
         return self
 
     def table(self, table_id: str) -> Table:
+        """The table `table_id`; ConfigError saying why for a table that cannot be rebuilt, or
+        the closest id for a misspelt one."""
         for table in self.tables:
             if table.id == table_id:
                 return table
-        raise ConfigError(f"--table {table_id}: {self.paper} has no such table; allowed: "
-                          f"{', '.join(t.id for t in self.tables)}")
+        ids = [t.id for t in self.tables]
+        for item in self.unavailable:
+            if item.id == table_id:
+                raise ConfigError(f"--table {table_id}: {self.paper}'s {item.source} cannot be rebuilt: {item.reason}; "
+                                  f"tables that can: {', '.join(ids)}")
+        hint = did_you_mean(table_id, ids + [item.id for item in self.unavailable])
+        raise ConfigError(f"--table {table_id}: {self.paper} has no such table{hint}; allowed: {', '.join(ids)} "
+                          f"(pfedkit reproduce {self.paper} --list)")
 
     def budget(self, table: Table, name: str) -> Budget:
         """The budget `name` of `table`: the paper-wide one with the table's own merged over it."""
@@ -147,9 +172,19 @@ class Paper(BaseModel):
             raise ConfigError(f"--budget {name}: allowed: {', '.join(BUDGETS)}")
         if name == "paper":
             return Budget(seeds=table.seeds, reduced="none: the paper's setting")
+        if name not in self.budgets and name not in table.budgets:
+            defined = [b for b in BUDGETS if b == "paper" or b in self.budgets or b in table.budgets]
+            raise ConfigError(f"--budget {name}: {self.paper} table {table.id} defines no such budget; "
+                              f"allowed: {', '.join(defined)}")
         common, own = self.budgets.get(name, Budget()), table.budgets.get(name, Budget())
         return Budget(config=deep_merge(common.config, own.config), seeds=own.seeds or common.seeds,
+                      rows=own.rows if own.rows is not None else common.rows,
+                      columns=own.columns if own.columns is not None else common.columns,
                       reduced="; ".join(text for text in (common.reduced, own.reduced) if text))
+
+    def budget_names(self, table: Table) -> list[str]:
+        """The budgets `table` can run at, cheapest first."""
+        return [b for b in BUDGETS if b == "paper" or b in self.budgets or b in table.budgets]
 
     def cell_config(self, table: Table, column: Column, row: Row, budget: Budget) -> dict[str, Any]:
         """The configuration of one cell (without seed), lowest precedence first."""
@@ -170,7 +205,7 @@ def paper_file(name: str):
 def load_paper(name: str) -> Paper:
     """The preset file of paper `name`, validated. ConfigError for an unknown paper or a bad file."""
     if name not in PAPERS:
-        raise ConfigError(f"reproduce {name}: unknown paper; allowed: {', '.join(PAPERS)}")
+        raise ConfigError(f"reproduce {name}: unknown paper{did_you_mean(name, PAPERS)}; allowed: {', '.join(PAPERS)}")
     path = paper_file(name)
     if not path.is_file():
         raise ConfigError(f"reproduce {name}: no preset file shipped yet ({name}.yaml)")
@@ -193,7 +228,7 @@ def check_paper(paper: Paper) -> list[str]:
                 continue
             if row.algorithm is None:
                 continue
-            for budget_name in BUDGETS:
+            for budget_name in paper.budget_names(table):
                 budget = paper.budget(table, budget_name)
                 for column in table.columns:
                     try:

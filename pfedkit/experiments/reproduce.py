@@ -8,6 +8,8 @@ implement keep their line, with the paper's value and "not implemented".
 """
 from __future__ import annotations
 
+import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +17,12 @@ import numpy as np
 import pandas as pd
 from scipy.stats import kendalltau, rankdata
 
+from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import deep_merge, parse_overrides
+from pfedkit.config import ConfigWarning, deep_merge, parse_overrides
 from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
                                             write_seed_table)
-from pfedkit.experiments.paper_presets import Budget, Paper, Table, load_paper
+from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper
 
 NOT_IMPLEMENTED = "not implemented"
 CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
@@ -41,14 +44,30 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
     (key=value) apply last, e.g. data_dir or backend."""
     budget = paper.budget(table, budget_name)
     extra = parse_overrides(overrides or [])
+    running = {row.algorithm for row in table.rows if row.algorithm is not None}
+    warn_unused_sections(extra, running, table.id)
+    sections = set(algorithm_names())
     entries = []
     for column in table.columns:
+        if budget.columns is not None and column.name not in budget.columns:
+            continue
         for row in table.rows:
-            if row.algorithm is not None:
-                config = deep_merge(paper.cell_config(table, column, row, budget), extra)
+            # a budget may run only the rows that carry the paper's claim (budget.rows)
+            if row.algorithm is not None and (budget.rows is None or row.method in budget.rows):
+                # an override's algorithm section applies to that algorithm's rows only
+                own = {key: value for key, value in extra.items() if key not in sections - {row.algorithm}}
+                config = deep_merge(paper.cell_config(table, column, row, budget), own)
                 entries.append(Entry(row.method, config, group=column.name))
     count = seeds or budget.seeds or table.seeds
     return Plan(paper, table, budget_name, budget, entries, list(range(count)))
+
+
+def warn_unused_sections(overrides: dict, running: set[str], table_id: str) -> None:
+    """One ConfigWarning for override sections of algorithms no row of the table runs."""
+    unused = sorted(key for key in overrides if key in algorithm_names() and key not in running)
+    if unused:
+        warnings.warn(f"{', '.join(unused)} options: no effect, no row of table {table_id} runs "
+                      f"{' or '.join(unused)} (rows run: {', '.join(sorted(running))})", ConfigWarning)
 
 
 def default_out(paper: Paper, table: Table, budget_name: str, out_dir: str = "runs") -> Path:
@@ -63,6 +82,12 @@ def run_plan(plan: Plan, out_dir: Path, quiet: bool = True) -> pd.DataFrame:
     def write_tables(records: list[RunRecord]) -> pd.DataFrame:
         write_seed_table(out_dir, records)
         result = paper_table(plan.table, records)
+        left_out = pd.Series(False, index=result.index)  # rows/columns the budget leaves out are not "pending"
+        if plan.budget.rows is not None:
+            left_out |= ~result["method"].isin(plan.budget.rows)
+        if plan.budget.columns is not None:
+            left_out |= ~result["column"].isin(plan.budget.columns)
+        result.loc[left_out & (result["status"] == "pending"), "status"] = f"not run at budget {plan.budget_name}"
         atomic_write_text(out_dir / "paper.csv", result.to_csv(index=False))
         atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result))
         return result
@@ -163,11 +188,25 @@ def list_paper(paper: Paper) -> str:
                      f"paper seeds {table.seeds}")
         lines.append(f"      rows: {', '.join(row.method for row in table.rows)}"
                      + (f" (not implemented: {', '.join(missing)})" if missing else ""))
-        for budget_name in ("smoke", "cpu"):
+        for budget_name in [b for b in paper.budget_names(table) if b != "paper"]:
             budget = paper.budget(table, budget_name)
             lines.append(f"      {budget_name}: {budget.seeds or table.seeds} seed(s); {budget.reduced or '-'}")
     for item in paper.unavailable:
         lines.append(f"  (not rebuilt) {item.id}: {item.source}: {item.reason}")
+    return "\n".join(lines)
+
+
+def list_papers() -> str:
+    """`reproduce --list` without a paper: every paper with its tables, and those that cannot be
+    rebuilt with the reason."""
+    lines = []
+    for name in PAPERS:
+        paper = load_paper(name)
+        lines.append(f"{paper.paper}: {paper.title}")
+        lines += [f"  --table {table.id}: {textwrap.shorten(table.caption, 110, placeholder=' ...')}"
+                  for table in paper.tables]
+        lines += [f"  (not rebuilt) {item.id}: {item.reason}" for item in paper.unavailable]
+    lines.append("details (rows, budgets): pfedkit reproduce PAPER --list")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from pfedkit.config import Config
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import client_data, split_indices
 from pfedkit.data.partition import class_counts
-from pfedkit.engine.runtime import SequentialRuntime, thread_count
+from pfedkit.engine.runtime import SequentialRuntime, compute_threads
 from pfedkit.engine.simulate import LocalClients, SimState
 from pfedkit.flower.records import put, take
 
@@ -105,7 +105,7 @@ def handle(msg: Message, context: Context) -> Message:
     node = node_for(str(header["config"]), cid, context.node_config.get("data-dir"))
     stored = take(context.state, STATE) or dict(node.initial)
     payload = take(msg.content, PAYLOAD)
-    with thread_count(node.threads()):
+    with compute_threads(node.threads()):
         answer = OPERATIONS[op](node, rnd, stored, payload)
     put(context.state, STATE, stored)
     return _reply(msg, answer)

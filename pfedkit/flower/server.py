@@ -51,6 +51,7 @@ class FlowerClients:
         self.grid, self.config, self.asks_reports = grid, config, asks_reports
         self.config_text = json.dumps(config.to_dict(), sort_keys=True)
         self.timeout = config.flower.round_timeout
+        self.threads = config.threads or 1  # the nodes' (node.py): the server's hooks compute with it too
         self.nodes = self.identify(config.num_clients, config.flower.connect_timeout)
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:

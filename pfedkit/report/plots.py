@@ -1,4 +1,9 @@
-"""Small plotting helpers shared by reports (matplotlib, Agg backend, atomic PNG writes)."""
+"""Small plotting helpers shared by reports (matplotlib, Agg backend, atomic PNG writes).
+
+Axes that count things (rounds, clients, classes) get integer ticks: matplotlib's default
+locator puts ticks at 1.5, 2.5... on a 5-round run, and there is no round 2.5. Line and band
+plots do this whenever every x value is a whole number; heatmaps always (their cells are
+indexed by row and column number)."""
 from __future__ import annotations
 
 import io
@@ -19,6 +24,20 @@ def _pyplot():
     return plt
 
 
+def integer_ticks(axis) -> None:
+    """Ticks on whole numbers only (matplotlib picks how many)."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def integer_x_if_whole(ax, xs: Sequence[float]) -> None:
+    """Integer x ticks when every x is a whole number (rounds); a fractional x keeps the default."""
+    values = np.asarray(list(xs), dtype=float)
+    if len(values) and np.all(np.isfinite(values)) and np.all(values == np.round(values)):
+        integer_ticks(ax.xaxis)
+
+
 def save_figure(fig, path: str | Path) -> Path:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
@@ -36,20 +55,29 @@ def heatmap(matrix: np.ndarray, path: str | Path, title: str, xlabel: str, ylabe
                                                min(14, max(3, 0.3 * matrix.shape[0] + 1.5))))
     image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    integer_ticks(ax.xaxis)
+    integer_ticks(ax.yaxis)
     fig.colorbar(image, ax=ax, label=colorbar)
     return save_figure(fig, path)
 
 
 def heatmaps_side_by_side(matrices: Sequence[np.ndarray], titles: Sequence[str], path: str | Path,
-                          suptitle: str, xlabel: str, ylabel: str, shared_scale: bool = True) -> Path:
-    """Heatmaps in a row; `shared_scale`: one colour scale from 0 (else one colour bar each)."""
+                          suptitle: str, xlabel: str, ylabel: str, shared_scale: bool = True,
+                          vmax: float | None = None) -> Path:
+    """Heatmaps in a row; `shared_scale`: one colour scale from 0 to `vmax` (default: the largest
+    value), else one colour bar each."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(matrices), figsize=(5 * len(matrices), 4.5), squeeze=False)
-    vmax = max(float(np.nanmax(m)) for m in matrices) if shared_scale else None
+    if shared_scale and vmax is None:
+        vmax = max(float(np.nanmax(m)) for m in matrices)
+    elif not shared_scale:
+        vmax = None
     for ax, matrix, title in zip(axes[0], matrices, titles):
         image = ax.imshow(np.asarray(matrix, dtype=float), aspect="auto", cmap="viridis",
                           vmin=0 if shared_scale else None, vmax=vmax)
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        integer_ticks(ax.xaxis)
+        integer_ticks(ax.yaxis)
         if not shared_scale:
             fig.colorbar(image, ax=ax)
     if shared_scale:
@@ -67,6 +95,7 @@ def lines(xs: Sequence[float], series: dict[str, Sequence[float]], path: str | P
     for label, x in (vlines or {}).items():
         ax.axvline(x, color="grey", linestyle="--", label=label)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    integer_x_if_whole(ax, xs)
     ax.legend()
     ax.grid(alpha=0.3)
     return save_figure(fig, path)
@@ -81,6 +110,7 @@ def bands(xs: Sequence[float], series: dict[str, tuple[Sequence[float], Sequence
         line, = ax.plot(xs, middle, label=label)
         ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    integer_x_if_whole(ax, xs)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     return save_figure(fig, path)

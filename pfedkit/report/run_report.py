@@ -1,8 +1,14 @@
 """`pfedkit report RUN`: one HTML page (report/index.html) with the run's accuracy curves, the
 spread over clients, client x class heatmaps of the data and of the output layer's row norms
-(cwFedAvg Fig. 3/6 style), and the algorithm's own diagnostics plots."""
+(cwFedAvg Fig. 3/6 style), and the algorithm's own diagnostics plots.
+
+Units: every accuracy on the page is in percent (0-100): the tables and the plots' axes alike
+(metrics.csv and summary.json keep fractions 0-1; the report multiplies by PERCENT). The page
+shows the run's whole config.yaml (the resolved config) in a collapsed block.
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +21,15 @@ from pfedkit.report.html import Section, render
 from pfedkit.report.plots import bands, heatmaps_side_by_side, lines
 
 CLIENT_BAND = (10, 90)  # percentiles of the clients' accuracies drawn as the band
+PERCENT = 100.0  # accuracies are stored as fractions and shown in %
+ACCURACY_AXIS = "test accuracy (%)"
+ACCURACY_NOTE = "accuracies in % (0-100), in the tables and on the plots' axes"
+HEADLINE_CONFIG_KEYS = ("algorithm", "dataset", "model", "num_clients", "rounds", "seed")
 
 
 def client_spread(metrics: pd.DataFrame) -> pd.DataFrame:
-    """Per evaluated round: mean client accuracy and the CLIENT_BAND percentiles over clients."""
+    """Per evaluated round: mean client accuracy and the CLIENT_BAND percentiles over clients
+    (fractions 0-1, as in metrics.csv)."""
     evaluated = metrics.dropna(subset=["accuracy"]).groupby("round")["accuracy"]
     low, high = CLIENT_BAND
     return pd.DataFrame({"mean": evaluated.mean(), "low": evaluated.quantile(low / 100),
@@ -42,14 +53,15 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
     config, metrics = read_run(run_dir)
     title = f"{config['algorithm']} on {config['dataset']}"
     table = round_table(metrics)
-    written = [lines(table.index, {"sample-weighted": table["acc_weighted"], "unweighted": table["acc_mean"],
-                                   "worst client": table["acc_worst"]},
-                     out_dir / "accuracy.png", title, "round", "test accuracy")]
-    spread = client_spread(metrics)
+    written = [lines(table.index, {"sample-weighted": PERCENT * table["acc_weighted"],
+                                   "unweighted": PERCENT * table["acc_mean"],
+                                   "worst client": PERCENT * table["acc_worst"]},
+                     out_dir / "accuracy.png", title, "round", ACCURACY_AXIS)]
+    spread = PERCENT * client_spread(metrics)
     low, high = CLIENT_BAND
     written.append(bands(spread.index, {f"clients: mean, {low}-{high}th percentile": (
         spread["mean"], spread["low"], spread["high"])}, out_dir / "accuracy_clients.png",
-        f"{title}: spread over clients", "round", "client test accuracy"))
+        f"{title}: spread over clients", "round", f"client {ACCURACY_AXIS}"))
     written += client_heatmaps(run_dir, out_dir, title)
     diagnostics_file = run_dir / "diagnostics.pt"
     if diagnostics_file.is_file():
@@ -77,10 +89,11 @@ def client_heatmaps(run_dir: Path, out_dir: Path, title: str) -> list[Path]:
                                              out_dir / "clients_data.png", title, "class", "client"))
     if "class_correct" in arrays:
         with np.errstate(invalid="ignore", divide="ignore"):
-            accuracy = arrays["class_correct"] / arrays["class_total"]
-        written.append(heatmaps_side_by_side([accuracy], ["test accuracy per class (last evaluation; blank: "
-                                                          "no test samples)"],
-                                             out_dir / "clients_class_accuracy.png", title, "class", "client"))
+            accuracy = PERCENT * arrays["class_correct"] / arrays["class_total"]
+        written.append(heatmaps_side_by_side([accuracy], ["test accuracy per class in % (last evaluation; "
+                                                          "blank: no test samples)"],
+                                             out_dir / "clients_class_accuracy.png", title, "class", "client",
+                                             vmax=PERCENT))
     return written
 
 
@@ -90,23 +103,30 @@ def report_run(run_dir: str | Path) -> list[Path]:
     out_dir = run_dir / "report"
     figures = run_figures(run_dir, out_dir)
     config = read_config(run_dir)
+    sections = config_sections(run_dir, config)
     summary_file = run_dir / "summary.json"
-    sections = [Section("Configuration", yaml.safe_dump({k: config[k] for k in (
-        "algorithm", "dataset", "num_clients", "rounds", "seed") if k in config}, sort_keys=False).replace("\n", "; "))]
     if summary_file.is_file():
-        import json
-
         summary = json.loads(summary_file.read_text())
-        sections.append(Section("Summary", summary.get("headline", ""), tables=[summary_frame(summary)]))
+        note = "; ".join(part for part in (summary.get("headline", ""), ACCURACY_NOTE) if part)
+        sections.append(Section("Summary", note, tables=[summary_frame(summary)]))
     sections.append(Section("Figures", images=figures))
     page = render(f"{config['algorithm']} on {config['dataset']}: {run_dir.name}", sections, out_dir / "index.html")
     return figures + [page]
 
 
+def config_sections(run_dir: Path, config: dict) -> list[Section]:
+    """A one-line headline of the config, then config.yaml as written by the run (every resolved
+    key), collapsed: it is long and most readers want the curves first."""
+    headline = "; ".join(f"{key}: {config[key]}" for key in HEADLINE_CONFIG_KEYS if key in config)
+    return [Section("Configuration", headline),
+            Section(f"config.yaml: the resolved config ({len(config)} keys)",
+                    preformatted=(run_dir / "config.yaml").read_text(), collapsed=True)]
+
+
 def summary_frame(summary: dict) -> pd.DataFrame:
     keys = ("best_acc", "last5_acc", "final_acc", "best_acc_unweighted", "last5_acc_unweighted",
             "final_acc_worst", "final_balanced_acc")
-    frame = pd.DataFrame({key: [100 * summary[key] if summary.get(key) is not None else np.nan] for key in keys})
+    frame = pd.DataFrame({key: [PERCENT * summary[key] if summary.get(key) is not None else np.nan] for key in keys})
     frame["MB_up"] = summary.get("bytes_up", 0) / 1e6
     frame["s_per_round"] = summary.get("sec_per_round")
     return frame

@@ -1,0 +1,609 @@
+"""Every algorithm evaluates the model assembled from the right parts (issue 22).
+
+A run of two rounds on the embedded digits set is recorded at the engine's seams, not read from
+the algorithm's own bookkeeping: each Fit request and the trainer's answer (what a client
+trained), each client_update's download and returned state, the server state after every round,
+and what the engine finally handed to the evaluator. From those parts and the algorithm's
+documented rule (docs/algorithms/<name>.md, "Evaluated model"), `RULES` assembles the model each
+client should be evaluated with: e.g. FedPer = the body the server averaged in the last round +
+the head the client's last Fit returned. The test then checks that
+
+1. the engine evaluated exactly those parameters (tensor for tensor; with evaluation-time
+   adaptation, the adaptation started from them),
+2. the loss recorded in metrics.csv is the loss of that model (our own evaluation of it, with
+   the algorithm's custom predict where it has one, and our own adaptation Fit where it adapts),
+3. the test has power: the same rule fed wrong parts (the initial model, the server state the
+   client downloaded before the last aggregation, the parts before the last local training, the
+   previous round's training, and per algorithm a few more, e.g. PFedCS's teacher head) assembles
+   other models, and each of those that differs from the right one gives another loss than the
+   recorded one (the initial model always differs).
+
+A client's trained parts come from the trainer's answers and averaged parts are recomputed from
+them (FedAvg: the n_i-weighted mean, bit for bit as the engine's), never read from the state the
+algorithm wrote, so an algorithm that stores (and then evaluates) a stale head or body fails here.
+What only the server computes (FedReMa's peer selection, cwFedAvg's class-wise models, CReFF's
+re-trained classifier, cluster models, prototypes) is read from the server state or the
+diagnostics the algorithm recorded; the assembly around it is still checked.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import pfedkit
+from pfedkit.algorithms import algorithm_names, get_algorithm
+from pfedkit.algorithms.base import Algorithm, Fit
+from pfedkit.algorithms.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
+from pfedkit.engine.runtime import SequentialRuntime
+from pfedkit.engine.simulate import Simulation
+from pfedkit.engine.trainer import FitJob, LocalTrainer
+from pfedkit.models import MODELS, ModelInfo
+from pfedkit.models.base import BodyHeadModel, head_start
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROUNDS = 2
+NUM_CLIENTS = 4
+# Options that keep each run under a second or two on the embedded data (the defaults train
+# 10 head epochs, fine-tune 5 epochs, retrain CReFF's head for 300 epochs...).
+FAST_OPTIONS: dict[str, dict[str, Any]] = {
+    "fedrep": {"head_epochs": 1},
+    "fedbabu": {"finetune_epochs": 1},
+    "creff": {"num_features": 4, "feature_steps": 2, "retrain_epochs": 2, "grad_repeats": 1},
+    "fedfomo": {"num_peers": 3},
+}
+# R-pFedPM's relation module scores every (sample, class feature) pair: on the mlp's 200-d
+# features its runs take 15 s, on the conv net's 32-d ones under 2 s.
+FAST_CONFIG: dict[str, dict[str, Any]] = {"rpfedpm": {"model": "digits_conv"}}
+
+
+class DigitsConvNet(BodyHeadModel):
+    """8x8 digits through a small conv layer, then two FC layers: with FedReMa's head ("fc" = all
+    fully connected layers) its body still has parameters, which the mlp's (a flatten) has not."""
+    HEAD_SPLITS = {"last": "fc", "fc": "fc1"}
+
+    def __init__(self, input_shape, num_classes: int, head: str = "last"):
+        layers = [("image", nn.Unflatten(1, (1, 8, 8))), ("conv", nn.Conv2d(1, 4, 3)), ("relu0", nn.ReLU()),
+                  ("flatten", nn.Flatten()), ("fc1", nn.Linear(4 * 6 * 6, 32)), ("relu1", nn.ReLU()),
+                  ("fc", nn.Linear(32, num_classes))]
+        super().__init__(layers, head_start(head, self.HEAD_SPLITS, "digits_conv"))
+
+
+# (algorithm, config changes): every algorithm on the digits mlp, and a few seed-method settings
+# the default run does not reach.
+CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
+    pytest.param("fedrema", {"model": "digits_conv"}, id="fedrema-conv-body"),
+    pytest.param("fedrema", {"model": "digits_conv", "fedrema": {"variant": "A"}}, id="fedrema-conv-body-A"),
+    pytest.param("pfedcs", {"pfedcs": {"beta": 1}}, id="pfedcs-stage2"),
+    pytest.param("pfedcs", {"pfedcs": {"rho": 0}}, id="pfedcs-no-finetuning"),
+    pytest.param("rpfedpm", {"rpfedpm": {"relation_detach_body": True}}, id="rpfedpm-detached"),
+    *([pytest.param("rpfedpm", {"rpfedpm": {"relation_training": "alternate"}}, id="rpfedpm-alternate")]
+      if "relation_training" in get_algorithm("rpfedpm").Hyper.model_fields else []),
+    pytest.param("cwfedavg", {"cwfedavg": {"mix_on": "client"}}, id="cwfedavg-mix-on-client"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording a run at the engine's seams
+
+
+@dataclass
+class Recording:
+    algorithm: Algorithm | None = None
+    runtime: SequentialRuntime | None = None
+    initial_params: Params | None = None
+    servers: dict[int, Any] = field(default_factory=dict)        # round -> server state after it (0: initial)
+    clients: dict[int, list[Any]] = field(default_factory=dict)  # round -> client states after it
+    downloads: dict[tuple[int, int], Any] = field(default_factory=dict)  # (round, cid) -> message
+    fits: dict[tuple[int, int], list[tuple[Fit, Params]]] = field(default_factory=dict)  # -> [(request, answer)]
+    adapted: dict[tuple[int, int], tuple[Fit, Params]] = field(default_factory=dict)
+    evaluated: dict[tuple[int, int], tuple[Params, Any]] = field(default_factory=dict)  # -> (params, buffers)
+
+
+def recorded_run(algorithm: str, tmp_path, monkeypatch, changes: dict) -> tuple:
+    """Run `algorithm` for ROUNDS rounds with every seam recorded -> (Recording, Result)."""
+    rec = Recording()
+    monkeypatch.setitem(MODELS, "digits_conv", ModelInfo("digits_conv", DigitsConvNet, "test model"))
+    patch_simulation(monkeypatch, rec)
+    patch_trainer(monkeypatch, rec)
+    patch_evaluation(monkeypatch, rec)
+    changes = {**FAST_CONFIG.get(algorithm, {}), **changes}
+    section = {**FAST_OPTIONS.get(algorithm, {}), **changes.pop(algorithm, {})}
+    result = pfedkit.run({
+        "algorithm": algorithm, "dataset": "digits", "num_clients": NUM_CLIENTS, "rounds": ROUNDS,
+        "join_ratio": 1.0, "threads": 1, "batch_size": 50, "lr": 0.05, "seed": 3, "backend": "sequential",
+        "device": "cpu", "client_states": "memory", "out_dir": str(tmp_path / "runs"),
+        "partition": {"scheme": "dirichlet", "alpha": 0.5}, **({algorithm: section} if section else {}), **changes})
+    return rec, result
+
+
+def patch_simulation(monkeypatch, rec: Recording) -> None:
+    initial_state, run_round = Simulation.initial_state, Simulation.run_round
+
+    def recording_initial_state(self, params, buffers, *args, **kwargs):
+        state = initial_state(self, params, buffers, *args, **kwargs)
+        rec.algorithm, rec.initial_params = self.algorithm, copy.deepcopy(params)
+        rec.servers[0], rec.clients[0] = copy.deepcopy(state.server), copy.deepcopy(list(state.clients))
+        trace_client_updates(monkeypatch, rec, self.algorithm)
+        return state
+
+    def recording_run_round(self, state):
+        report = run_round(self, state)
+        rec.servers[state.round] = copy.deepcopy(state.server)
+        rec.clients[state.round] = copy.deepcopy(list(state.clients))
+        return report
+
+    monkeypatch.setattr(Simulation, "initial_state", recording_initial_state)
+    monkeypatch.setattr(Simulation, "run_round", recording_run_round)
+
+
+def trace_client_updates(monkeypatch, rec: Recording, algorithm: Algorithm) -> None:
+    """Record what each client downloads (the message its client_update is called with)."""
+    update = algorithm.client_update
+
+    def traced(rnd, cid, client, message, data):
+        rec.downloads[rnd, cid] = message
+        return update(rnd, cid, client, message, data)
+
+    monkeypatch.setattr(algorithm, "client_update", traced)
+
+
+def patch_trainer(monkeypatch, rec: Recording) -> None:
+    fit = LocalTrainer.fit
+
+    def recording_fit(self, job: FitJob, x, y):
+        outcome = fit(self, job, x, y)
+        if job.purpose == "adapt":
+            rec.adapted[job.rnd, job.cid] = (job.request, outcome.params)
+        else:
+            rec.fits.setdefault((job.rnd, job.cid), []).append((job.request, outcome.params))
+        return outcome
+
+    monkeypatch.setattr(LocalTrainer, "fit", recording_fit)
+
+
+def patch_evaluation(monkeypatch, rec: Recording) -> None:
+    evaluate_many = SequentialRuntime.evaluate_many
+
+    def recording_evaluate_many(self, items):
+        rec.runtime = self
+        rnd = max(rec.servers) + 1  # evaluation runs inside the round, before it is recorded
+        for cid, params, buffers, _ in items:
+            rec.evaluated[rnd, cid] = (params, buffers)
+        return evaluate_many(self, items)
+
+    monkeypatch.setattr(SequentialRuntime, "evaluate_many", recording_evaluate_many)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parts a rule assembles from
+
+
+@dataclass
+class Parts:
+    """What the model of each client is assembled from, after the last round R (every client
+    takes part in every round here). `trained(cid, k)`: the trainer's answer to the client's k-th
+    Fit of round R (k = -1: the last); `request(cid, k)`: that Fit's starting parameters."""
+    rec: Recording
+    server: Any             # the server state the client's evaluation may read (after round R)
+    clients: list[Any]      # the client states (after round R)
+    trained: Callable[[int, int], Params]
+    request: Callable[[int, int], Fit]
+    download: Callable[[int], Any]
+    before: list[Any]       # the client states at the start of round R
+    sizes: list[int]
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return self.rec.algorithm
+
+    @property
+    def initial(self) -> Params:
+        return self.rec.initial_params
+
+    def diagnostic(self, key: str, rnd: int = ROUNDS) -> Any:
+        return self.rec.algorithm.diagnostics[key][rnd]
+
+
+def true_parts(rec: Recording, sizes: list[int]) -> Parts:
+    return Parts(rec, rec.servers[ROUNDS], rec.clients[ROUNDS],
+                 trained=lambda cid, k=-1: rec.fits[ROUNDS, cid][k][1],
+                 request=lambda cid, k=-1: rec.fits[ROUNDS, cid][k][0],
+                 download=lambda cid: rec.downloads[ROUNDS, cid], before=rec.clients[ROUNDS - 1], sizes=sizes)
+
+
+def wrong_parts(parts: Parts) -> dict[str, Parts]:
+    """The same parts with one kind replaced by a stale or initial one: what a wrong assembly uses.
+    Tensors trained beside the model (`Fit.extra`: APFL's v_i, FedRoD's personal head, R-pFedPM's
+    psi...) go stale with the model's."""
+    rec = parts.rec
+
+    def initial(cid: int, k: int = -1) -> Params:  # extras as the client's first Fit of the run got them
+        first = rec.fits[1, cid][0][0]
+        return {**rec.fits[ROUNDS, cid][k][1], **first.extra, **rec.initial_params}
+
+    def started_from(first: int | None) -> Callable[[int, int], Params]:
+        """The starting point of Fit `first` of round R (None: of the Fit asked for)."""
+        def trained(cid: int, k: int = -1) -> Params:
+            request = rec.fits[ROUNDS, cid][k if first is None else first][0]
+            return {**rec.fits[ROUNDS, cid][k][1], **request.params, **request.extra}
+        return trained
+
+    return {
+        "the initial model": replace(parts, server=rec.servers[0], trained=initial),
+        "the server state the client downloaded (before the last aggregation)":
+            replace(parts, server=rec.servers[ROUNDS - 1]),
+        "the parts before the Fit they come from": replace(parts, trained=started_from(None)),
+        "the parts before the round's first Fit": replace(parts, trained=started_from(0)),
+        "the parts trained in the previous round": replace(
+            parts, trained=lambda cid, k=-1: rec.fits[ROUNDS - 1, cid][k][1]),
+    }
+
+
+def psi_of(state: dict) -> dict:
+    """R-pFedPM's relation module (and its BatchNorm statistics) kept in a client state."""
+    return {"relation": state["relation"], "relation_stats": state["relation_stats"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# What each algorithm evaluates (its documented rule), from those parts
+
+
+@dataclass
+class Expected:
+    params: Params
+    server: Any = None   # the states a custom `predict` reads (None: the final ones)
+    client: Any = None
+    adapt: Fit | None = None  # the evaluation-time adaptation Fit (its params: `params`)
+
+
+def averaged(parts: Parts, part: str = "all") -> Params:
+    """The sample-weighted mean (FedAvg) of `part` of the models the clients' last Fits returned:
+    what the server's aggregation of the last round must hold (every client takes part)."""
+    return weighted_mean([select(model_only(parts.trained(j, -1)), part) for j in range(NUM_CLIENTS)], parts.sizes)
+
+
+def global_model(parts: Parts, cid: int) -> Expected:
+    """FedAvg-like: the mean of the round's trained models, weighted by n_i."""
+    return Expected(averaged(parts))
+
+
+def last_trained(parts: Parts, cid: int) -> Expected:
+    """The client's own model as its last Fit returned it (Local, DA-PFL, FedAMP, FeSEM...)."""
+    return Expected(model_only(parts.trained(cid, -1)))
+
+
+def model_only(params: Params) -> Params:
+    return {name: value for name, value in params.items() if name.startswith(("body.", "head."))}
+
+
+def shared_and_private(shared: str) -> Callable[[Parts, int], Expected]:
+    """FedPer / FedRep (shared body) and LG-FedAvg (shared head): the averaged shared part + the
+    private part the client's last Fit returned."""
+    private = "head" if shared == "body" else "body"
+
+    def rule(parts: Parts, cid: int) -> Expected:
+        return Expected(merge(averaged(parts, shared), select(parts.trained(cid, -1), private)))
+    rule.__doc__ = f"The mean of the round's trained {shared}s + the {private} of the client's last Fit."
+    return rule
+
+
+def ditto(parts: Parts, cid: int) -> Expected:
+    """The personal model v_i: the answer to the first Fit (the second trains the global model)."""
+    return Expected(parts.trained(cid, 0))
+
+
+def apfl(parts: Parts, cid: int) -> Expected:
+    """alpha_i v_i + (1 - alpha_i) w with v_i, alpha_i from the last Fit and w the FedAvg of the trained w_j."""
+    trained, w = parts.trained(cid, -1), averaged(parts)
+    alpha = float(trained["alpha"])
+    personal = {name: trained["personal." + name] for name in w}
+    return Expected(interpolate(w, personal, alpha))
+
+
+def perfedavg(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), adapted by one SGD step with lr alpha."""
+    params = averaged(parts)
+    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.h.alpha))
+
+
+def fedbabu(parts: Parts, cid: int) -> Expected:
+    """Global body (FedAvg of the trained bodies) + the fixed initial head, fine-tuned for finetune_epochs."""
+    params, h = merge(averaged(parts, "body"), select(parts.initial, "head")), parts.algorithm.h
+    return Expected(params, adapt=Fit(params, trainable=h.finetune_part, epochs=h.finetune_epochs))
+
+
+def fedrod(parts: Parts, cid: int) -> Expected:
+    """Global body + (generic head + the personal head of the last Fit): W_G + W_P, b_G + b_P."""
+    params, trained = averaged(parts), parts.trained(cid, -1)
+    personal = {name: value for name, value in trained.items() if name.startswith("personal")}
+    weight_name, bias_name = linear_layer_names(select(params, "head"), "head")
+    params[weight_name] = params[weight_name] + next(v for v in personal.values() if v.dim() == 2)
+    params[bias_name] = params[bias_name] + next(v for v in personal.values() if v.dim() == 1)
+    return Expected(params)
+
+
+def pfedme(parts: Parts, cid: int) -> Expected:
+    """theta_i: the personalised model of the last Fit (its `local.` extras are w_i, uploaded)."""
+    return Expected(model_only(parts.trained(cid, -1)))
+
+
+def l2gd(parts: Parts, cid: int) -> Expected:
+    """x_i: the last local training, or its mix towards the mean on an aggregation round."""
+    message = parts.download(cid)
+    if "mean" not in message:
+        return last_trained(parts, cid)
+    return Expected(interpolate(parts.before[cid]["params"], message["mean"], parts.algorithm.h.theta))
+
+
+def fedgh(parts: Parts, cid: int) -> Expected:
+    """Own trained body + the head the server trained in the last round."""
+    return Expected(merge(select(parts.trained(cid, -1), "body"), parts.server["head"]))
+
+
+def creff(parts: Parts, cid: int) -> Expected:
+    """FedAvg of the trained models with the server's re-trained classifier phi_re as head."""
+    return Expected(merge(averaged(parts), parts.server["head_re"]))
+
+
+def cfl(parts: Parts, cid: int) -> Expected:
+    """The model of the client's cluster (server state: splits and cluster means are server math)."""
+    return Expected(parts.server["models"][int(parts.server["membership"][cid])])
+
+
+def ifca(parts: Parts, cid: int) -> Expected:
+    """The cluster model the client chose at its last training (the one its last Fit started from)."""
+    started = parts.request(cid, -1).params
+    chosen = [k for k, model in enumerate(parts.download(cid)["models"]) if same_params(model, started)]
+    return Expected(parts.server["models"][chosen[0]])
+
+
+def fedpfa(parts: Parts, cid: int) -> Expected:
+    """The client's group model; ungrouped: the federated (in phase 1 the global) model."""
+    group = parts.server["assignment"].get(cid)
+    return Expected(parts.server["params"] if group is None else parts.server["group_models"][group])
+
+
+def fedpac(parts: Parts, cid: int) -> Expected:
+    """Global body + the combined head: sum_j w_ij head_j over the round's trained heads."""
+    weights = parts.diagnostic("fedpac_weights")[cid]
+    cids = [j for j in range(len(weights)) if weights[j] != 0]
+    head = weighted_mean([select(parts.trained(j, -1), "head") for j in cids], [weights[j] for j in cids])
+    return Expected(merge(averaged(parts, "body"), head))
+
+
+def fednh(parts: Parts, cid: int) -> Expected:
+    """evaluate=global: the plain mean of the trained bodies + the server's prototypes mu as head
+    weight (zero bias), scored by the server's mu and s."""
+    server = parts.server
+    body = weighted_mean([select(parts.trained(j, -1), "body") for j in range(NUM_CLIENTS)], [1.0] * NUM_CLIENTS)
+    weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
+    head = {weight_name: server["prototypes"]}
+    if bias_name is not None:
+        head[bias_name] = torch.zeros(server["prototypes"].shape[0])
+    return Expected(merge(body, head), server=server, client=None)
+
+
+def fedproto(parts: Parts, cid: int) -> Expected:
+    """Own trained model; prediction by the nearest global prototype of the last aggregation."""
+    params = model_only(parts.trained(cid, -1))
+    return Expected(params, server=parts.server, client={"params": params})
+
+
+def rpfedpm(parts: Parts, cid: int) -> Expected:
+    """Own trained model; prediction by the relation module psi trained in the client's last round
+    against that round's class features (its mixed features, global ones where it has none)."""
+    from pfedkit.algorithms.pfedpm import relation_class_features
+
+    algorithm, params = parts.algorithm, model_only(parts.trained(cid, -1))
+    received, mixed = algorithm.received_and_mixed(parts.before[cid], parts.download(cid))
+    class_features, available = relation_class_features(*mixed, *received)
+    client = {"params": params, "class_features": class_features, "available": available,
+              **trained_relation(parts, cid)}
+    return Expected(params, client=client)  # (predict reads no server state)
+
+
+def trained_relation(parts: Parts, cid: int) -> dict[str, Params]:
+    """psi and its BatchNorm statistics as the Fit that trained them returned them ("relation."
+    extras); in a round where psi did not train (no class feature yet) as the round began."""
+    carried = {name[len("relation."):]: value for name, value in parts.trained(cid, -1).items()
+               if name.startswith("relation.")}
+    if not carried:
+        return psi_of(parts.before[cid])
+    statistics = {name: carried.pop(name) for name in parts.before[cid]["relation_stats"]}
+    return {"relation": carried, "relation_stats": statistics}
+
+
+def pfedcs(parts: Parts, cid: int) -> Expected:
+    """Global body + the head of the client's last Fit (stage 1: the KL-guided training of its own
+    head, not the fine-tuned teacher of the first Fit), normalised logits."""
+    params = merge(averaged(parts, "body"), select(parts.trained(cid, -1), "head"))
+    return Expected(params, client={"head": select(params, "head")})
+
+
+def fedrema(parts: Parts, cid: int) -> Expected:
+    """Global body + the personalised head: during the CCP the sample-weighted mean of the
+    trained heads of the peers MDS selected (eq. 7); after it, weights G[i, j] (eq. 10)."""
+    algorithm, participants = parts.algorithm, list(range(NUM_CLIENTS))
+    heads = [select(parts.trained(j, -1), "head") for j in participants]
+    if parts.diagnostic("ccp_active"):
+        chosen = [int(j) for j in parts.diagnostic("selected")[cid]]
+        weights = [parts.sizes[j] if algorithm.h.peer_weighting == "samples" else 1.0 for j in chosen]
+    else:
+        dependency = algorithm.diagnostics["dependency_map"]
+        row = dependency[max(dependency)][cid]
+        chosen = [j for j in participants if row[j] > 0]
+        weights = [float(row[j]) for j in chosen]
+    return Expected(merge(averaged(parts, "body"), weighted_mean([heads[j] for j in chosen], weights)))
+
+
+def cwfedavg(parts: Parts, cid: int) -> Expected:
+    """Shared layers + sum_j p~_ij w_j^G, p~_i read off the output layer the client just trained (eq. 4, 7)."""
+    from pfedkit.algorithms.cwfedavg import estimate_class_distribution, output_weight_name, personalised_model
+
+    trained = parts.trained(cid, -1)
+    mixing = estimate_class_distribution(trained[output_weight_name(trained)]).detach().double()
+    shared = {name: value for name, value in averaged(parts).items() if name in parts.server["shared"]}
+    return Expected({**shared, **personalised_model(parts.server["class_wise"], mixing)})
+
+
+RULES: dict[str, Callable[[Parts, int], Expected]] = {
+    "fedavg": global_model, "fedprox": global_model, "feduv": global_model, "moon": global_model,
+    "perfedavg": perfedavg, "creff": creff, "cfl": cfl, "ifca": ifca, "fedpfa": fedpfa,
+    "local": last_trained, "dapfl": last_trained, "fedamp": last_trained, "fesem": last_trained,
+    "fedsoft": last_trained, "feddistill": last_trained, "fedfomo": last_trained, "pfedpm": last_trained,
+    "l2gd": l2gd, "pfedme": pfedme, "ditto": ditto, "apfl": apfl,
+    "fedper": shared_and_private("body"), "fedrep": shared_and_private("body"),
+    "lg_fedavg": shared_and_private("head"), "fedbabu": fedbabu, "fedrod": fedrod, "fedgh": fedgh,
+    "fedpac": fedpac, "fednh": fednh, "fedproto": fedproto, "rpfedpm": rpfedpm, "pfedcs": pfedcs,
+    "fedrema": fedrema, "cwfedavg": cwfedavg,
+}
+
+
+def extra_wrong_parts(algorithm: str, parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    """Wrong assemblies that no substitution of parts produces: other models of the same run."""
+    rule = RULES[algorithm]
+    own = {"the client's own trained model instead of the aggregate":
+           lambda cid: Expected(model_only(parts.trained(cid, -1)))}
+    downloaded = {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
+    extras: dict[str, dict[str, Callable[[int], Expected]]] = {
+        "ditto": {"the global model instead of the personal one": lambda cid: Expected(parts.server["params"])},
+        "dapfl": downloaded, "fedamp": downloaded,
+        "pfedcs": {
+            "the fine-tuned teacher head (the first Fit's) instead of the own trained head":
+                lambda cid: replace_head(rule(parts, cid), select(parts.trained(cid, 0), "head")),
+            "the downloaded customised classifier v_k": lambda cid: replace_head(rule(parts, cid),
+                                                                              parts.download(cid)["head"])},
+        "fedrema": {"the personalised head sent in the last round (stale)": lambda cid: replace_head(
+            rule(parts, cid), parts.download(cid)["head"])},
+        "cwfedavg": {"the uniform class mix (the initial p~)": lambda cid: uniform_class_mix(parts)},
+        "rpfedpm": {
+            "psi before its training in the last round": lambda cid: with_client(
+                rule(parts, cid), **psi_of(parts.before[cid])),
+            "the initial psi": lambda cid: with_client(rule(parts, cid), **psi_of(parts.rec.clients[0][cid])),
+            "the class features of the previous round": lambda cid: with_client(
+                rule(parts, cid), class_features=parts.before[cid]["class_features"],
+                available=parts.before[cid]["available"])},
+    }
+    averaged = ("fedavg", "fedprox", "feduv", "moon", "cfl", "creff", "fedper", "fedrep", "lg_fedavg", "fedbabu",
+                "fedrod", "fedpac", "fedrema", "cwfedavg", "pfedcs", "ifca", "fedpfa")
+    return {**(own if algorithm in averaged else {}), **extras.get(algorithm, {})}
+
+
+def replace_head(expected: Expected, head: Params) -> Expected:
+    """`expected` with another head (also in the client state a custom predict reads it from)."""
+    client = expected.client
+    if isinstance(client, dict) and "head" in client:
+        client = {**client, "head": head}
+    return replace(expected, params=merge(expected.params, head), client=client)
+
+
+def with_client(expected: Expected, **entries: Any) -> Expected:
+    return replace(expected, client={**expected.client, **entries})
+
+
+def uniform_class_mix(parts: Parts) -> Expected:
+    from pfedkit.algorithms.cwfedavg import personalised_model
+
+    uniform = np.full(len(parts.server["class_wise"]), 1.0 / len(parts.server["class_wise"]))
+    return Expected({**parts.server["shared"], **personalised_model(parts.server["class_wise"], uniform)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluating an assembly ourselves
+
+
+def same_params(a: Params, b: Params) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def own_loss(rec: Recording, parts: Parts, cid: int, expected: Expected) -> float:
+    """Test loss of `expected` on client cid: adapted by our own copy of the adaptation Fit,
+    evaluated with the algorithm's predict (fed the expected states) where it has one."""
+    runtime, algorithm = rec.runtime, rec.algorithm
+    data = runtime.data.clients[cid]
+    buffers = rec.evaluated[ROUNDS, cid][1]
+    params = expected.params
+    if expected.adapt is not None:
+        job = FitJob(ROUNDS, cid, 0, replace(expected.adapt, params=params), buffers, None, purpose="adapt")
+        outcome = runtime.trainers(cid).fit(job, data.x_train, data.y_train)
+        params, buffers = outcome.params, outcome.buffers
+    predict = None
+    if algorithm.has_custom_predict():
+        server = parts.server if expected.server is None else expected.server
+        client = parts.clients[cid] if expected.client is None else expected.client
+        predict = partial(algorithm.predict, cid, server, client)
+    return runtime.evaluators(cid).evaluate(params, buffers, data.x_test, data.y_test, predict).loss
+
+
+def recorded_losses(result) -> dict[int, float]:
+    rows = result.metrics[result.metrics["round"] == ROUNDS]
+    return {int(row.client): float(row.loss) for row in rows.itertuples()}
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Equal nested states (dicts, lists, tensors, arrays, numbers)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    return a is b or a == b
+
+
+def differing(expected: Params, evaluated: Params) -> list[str]:
+    return sorted(set(expected) ^ set(evaluated)) + sorted(
+        n for n in set(expected) & set(evaluated) if not torch.equal(expected[n], evaluated[n]))
+
+
+def assert_evaluates_assembly(algorithm: str, rec: Recording, result) -> None:
+    """Checks 1-3 of the module docstring for every client of the last round."""
+    parts = true_parts(rec, [int(c.n_train) for c in rec.runtime.data.clients])
+    rule, losses = RULES[algorithm], recorded_losses(result)
+    powerless, distinct = [], set()
+    for cid in range(NUM_CLIENTS):
+        expected = rule(parts, cid)
+        evaluated = rec.adapted[ROUNDS, cid][0].params if expected.adapt is not None else rec.evaluated[ROUNDS, cid][0]
+        assert same_params(evaluated, expected.params), (
+            f"{algorithm}: client {cid} was evaluated with other parameters than {rule.__name__} assembles "
+            f"({' '.join((rule.__doc__ or '').split())}); differing: {differing(expected.params, evaluated)}")
+        loss = own_loss(rec, parts, cid, expected)
+        assert math.isclose(losses[cid], loss, rel_tol=1e-6, abs_tol=1e-9), (
+            f"{algorithm}: client {cid}'s recorded loss {losses[cid]} is not the loss {loss} of the model "
+            f"{rule.__name__} assembles")
+        wrong = {label: (lambda c, p=p: rule(p, c)) for label, p in wrong_parts(parts).items()}
+        wrong.update(extra_wrong_parts(algorithm, parts))
+        for label, assemble in wrong.items():
+            try:
+                alternative = assemble(cid)
+            except (KeyError, IndexError):
+                continue  # these parts lack what the rule reads (a download without a head...)
+            if same_params(alternative.params, expected.params) and same_state(alternative.client, expected.client) \
+                    and same_state(alternative.server, expected.server):
+                continue  # the same model (e.g. FedBABU's fixed head is the initial one)
+            distinct.add(label)
+            if math.isclose(own_loss(rec, parts, cid, alternative), losses[cid], rel_tol=1e-6, abs_tol=1e-9):
+                powerless.append(f"client {cid}: {label}")
+    assert "the initial model" in distinct, f"{algorithm}: after {ROUNDS} rounds a client still evaluates the initial model"
+    assert not powerless, f"{algorithm}: wrong assemblies that the recorded loss cannot tell apart: {powerless}"
+
+
+@pytest.mark.parametrize(("algorithm", "changes"), CASES)
+def test_every_algorithm_evaluates_the_downloaded_and_trained_parts(algorithm, changes, tmp_path, monkeypatch):
+    if algorithm not in RULES:
+        pytest.fail(f"{algorithm} has no evaluated-model rule in tests/test_evaluated_model.py RULES; add one "
+                    "(read its client_model and docs/algorithms/{algorithm}.md)")
+    rec, result = recorded_run(algorithm, tmp_path, monkeypatch, changes)
+    assert_evaluates_assembly(algorithm, rec, result)

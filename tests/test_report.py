@@ -1,0 +1,273 @@
+"""The HTML reports as a reader meets them: a comparison table that fits (headline columns, no
+index, no empty columns), accuracies in % on the page and on every axis, whole-number round
+ticks, every seed's figures, seed links that open that run's own report, and the run page
+showing the whole resolved config."""
+from __future__ import annotations
+
+import html
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+import pfedkit
+from pfedkit.evaluation import round_table
+from pfedkit.experiments.comparison import SUMMARY_COLUMNS, Entry, run_comparison, write_seed_table
+from pfedkit.report import plots
+from pfedkit.report.comparison_report import HEADLINE_COLUMNS, paper_cells, report_comparison
+from pfedkit.report.html import table_html
+from pfedkit.report.run_report import report_run
+
+CONFIG = {"dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1, "batch_size": 20, "lr": 0.05,
+          "partition": {"scheme": "dirichlet", "alpha": 0.5}}
+METHODS = ("fedavg", "local")
+SEEDS = (0, 1)
+
+
+class Page(HTMLParser):
+    """What a reader sees of a page: tables (header cells, rows, inside a <details> or not), links
+    (href, text), images, <pre> blocks."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tables: list[dict] = []
+        self.links: list[tuple[str, str]] = []
+        self.images: list[str] = []
+        self.pre: list[str] = []
+        self._details = 0
+        self._cell: list[str] | None = None
+        self._href: str | None = None
+        self._link_text: list[str] = []
+        self._in_pre = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "details":
+            self._details += 1
+        elif tag == "table":
+            self.tables.append({"header": [], "rows": [], "collapsed": self._details > 0})
+        elif tag == "tr" and self.tables:
+            self.tables[-1]["rows"].append([])
+        elif tag in ("th", "td"):
+            self._cell = []
+        elif tag == "a":
+            self._href, self._link_text = attrs["href"], []
+        elif tag == "img":
+            self.images.append(attrs["src"])
+        elif tag == "pre":
+            self._in_pre = True
+            self.pre.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "details":
+            self._details -= 1
+        elif tag in ("th", "td") and self._cell is not None:
+            text = "".join(self._cell).strip()
+            table = self.tables[-1]
+            (table["header"] if tag == "th" else table["rows"][-1]).append(text)
+            self._cell = None
+        elif tag == "a":
+            self.links.append((self._href, "".join(self._link_text).strip()))
+            self._href = None
+        elif tag == "pre":
+            self._in_pre = False
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._href is not None:
+            self._link_text.append(data)
+        if self._in_pre:
+            self.pre[-1] += data
+
+
+class FigureLog:
+    """Every figure the report helpers save, read just before it is written: per axes its labels,
+    the x ticks inside the view, the y values of its lines and the values of its images."""
+
+    def __init__(self):
+        self.axes: list[dict] = []
+
+    def save(self, original):
+        def capture(fig, path):
+            fig.canvas.draw()
+            for ax in fig.axes:
+                low, high = sorted(ax.get_xlim())
+                ylow, yhigh = sorted(ax.get_ylim())
+                self.axes.append({
+                    "file": Path(path).name, "title": ax.get_title(), "xlabel": ax.get_xlabel(),
+                    "ylabel": ax.get_ylabel(),
+                    "xticks": [t for t in ax.get_xticks() if low <= t <= high],
+                    "yticks": [t for t in ax.get_yticks() if ylow <= t <= yhigh],
+                    "lines": [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()
+                              if line.get_label() and not line.get_label().startswith("_")],
+                    "images": [np.asarray(image.get_array(), dtype=float) for image in ax.get_images()]})
+            return original(fig, path)
+        return capture
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    """fedavg and local, seeds 0 and 1, and the comparison report, with every saved figure logged."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("report") / "cmp"
+    records = run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS], list(SEEDS),
+                             log=lambda _: None)
+    write_seed_table(root, records)
+    log = FigureLog()
+    patch = pytest.MonkeyPatch()
+    patch.setattr(plots, "save_figure", log.save(plots.save_figure))
+    try:
+        written = report_comparison(root)
+    finally:
+        patch.undo()
+        torch.set_num_threads(threads)
+    page = written[-1]
+    return {"root": root, "written": written, "page": page, "parsed": Page(page.read_text()), "figures": log,
+            "records": records}
+
+
+# ---- the comparison table ----------------------------------------------------------------------
+
+def test_comparison_table_shows_the_headline_columns_without_index_or_group(comparison):
+    visible = [t for t in comparison["parsed"].tables if not t["collapsed"]]
+    assert len(visible) == 1
+    header = visible[0]["header"]
+    assert header == ["method", "seeds", *HEADLINE_COLUMNS]  # no index column, no `group`
+    assert [row[0] for row in visible[0]["rows"][1:]] == list(METHODS)
+    # every cell is "mean ± std", the accuracies in % (a fraction would read 0.xx)
+    best = [float(row[2].split(" ± ")[0]) for row in visible[0]["rows"][1:]]
+    assert all(1 < value <= 100 for value in best)
+
+
+def test_the_other_columns_are_collapsed_and_none_is_empty(comparison):
+    collapsed = [t for t in comparison["parsed"].tables if t["collapsed"]]
+    assert len(collapsed) == 1
+    header = collapsed[0]["header"]
+    others = [c for c in SUMMARY_COLUMNS if c not in HEADLINE_COLUMNS]
+    assert header[:2] == ["method", "seeds"] and set(header[2:]) <= set(others)
+    for table in comparison["parsed"].tables:
+        assert "group" not in table["header"] and "" not in table["header"]
+        for position in range(len(table["header"])):
+            assert any(row[position] not in ("", "-") for row in table["rows"][1:])
+
+
+def test_tables_drop_the_index_and_empty_columns():
+    frame = pd.DataFrame({"group": ["", ""], "method": ["a", "b"], "missing": [np.nan, np.nan],
+                          "blank": [" ", None], "acc": [81.234, np.nan]}, index=[7, 8])
+    parsed = Page(table_html(frame))
+    (table,) = parsed.tables
+    assert table["header"] == ["method", "acc"]
+    assert table["rows"][1:] == [["a", "81.23"], ["b", "-"]]  # no index values 7, 8
+
+
+def test_paper_table_is_compact():
+    paper = pd.DataFrame({"column": ["pathological"] * 2, "method": ["FedAvg", "Ditto"], "algorithm": ["fedavg", None],
+                          "metric": ["best_acc"] * 2, "paper": [80.0, 85.5], "paper_std": [1.0, np.nan],
+                          "ours": [78.25, np.nan], "ours_std": [0.5, np.nan], "seeds": [2, 0],
+                          "status": ["ran", "not implemented"], "diff": [-1.75, np.nan], "rank_ours": [1.0, np.nan],
+                          "rank_paper": [2.0, np.nan], "kendall_tau": [np.nan, np.nan], "order_differs": [True, False]})
+    cells = paper_cells(paper)
+    assert list(cells.columns) == ["column", "method", "metric", "ours", "seeds", "paper", "diff",
+                                   "rank ours / paper", "order"]
+    assert cells["ours"].tolist() == ["78.25 ± 0.50", "not implemented"]
+    assert cells["paper"].tolist() == ["80.00 ± 1.00", "85.50"]
+    assert cells["rank ours / paper"].tolist() == ["1 / 2", "-"] and cells["order"].tolist() == ["≠", ""]
+
+
+# ---- units and ticks -------------------------------------------------------------------------
+
+def accuracy_axes(figures: FigureLog) -> list[dict]:
+    return [ax for ax in figures.axes if "accuracy" in ax["ylabel"] and ax["lines"]]
+
+
+def test_accuracy_axes_are_in_percent_like_the_tables(comparison):
+    axes = accuracy_axes(comparison["figures"])
+    assert len(axes) >= 2 + len(METHODS) * (1 + 2 * len(SEEDS))  # groups, methods, every seed's two curves
+    text = html.unescape(comparison["page"].read_text())
+    assert "accuracies in %" in text
+    for ax in axes:
+        assert "(%)" in ax["ylabel"], ax
+        values = np.concatenate(ax["lines"])
+        assert 1 < np.nanmax(values) <= 100, (ax["file"], np.nanmax(values))
+        assert max(ax["yticks"]) > 1  # the axis runs in %, not 0-1
+    # the seed curve of a run is its round table in %
+    record = next(r for r in comparison["records"] if r.entry.label == "fedavg" and r.seed == 0)
+    expected = 100 * round_table(pd.read_csv(record.run_dir / "metrics.csv"))["acc_weighted"].to_numpy()
+    run_axes = [ax for ax in axes if ax["file"] == "accuracy.png"]
+    assert any(np.allclose(ax["lines"][0], expected) for ax in run_axes)
+
+
+def test_class_accuracy_heatmap_is_in_percent(comparison):
+    heatmaps = [ax for ax in comparison["figures"].axes if ax["file"] == "clients_class_accuracy.png" and ax["images"]]
+    assert heatmaps
+    for ax in heatmaps:
+        assert "%" in ax["title"]
+        assert 1 < np.nanmax(ax["images"][0]) <= 100
+
+
+def test_round_axes_have_whole_number_ticks(comparison):
+    round_axes = [ax for ax in comparison["figures"].axes if ax["xlabel"] == "round"]
+    assert len(round_axes) >= 2 + len(METHODS) * (1 + 2 * len(SEEDS))
+    for ax in round_axes:
+        assert ax["xticks"] and all(float(t).is_integer() for t in ax["xticks"]), (ax["file"], ax["xticks"])
+
+
+def test_heatmap_ticks_are_whole_numbers(tmp_path, monkeypatch):
+    log = FigureLog()
+    monkeypatch.setattr(plots, "save_figure", log.save(plots.save_figure))
+    plots.heatmap(np.arange(4.0).reshape(2, 2), tmp_path / "h.png", "t", "class", "client")
+    plots.heatmaps_side_by_side([np.ones((2, 2))], ["t"], tmp_path / "s.png", "s", "round", "client")
+    heatmaps = [ax for ax in log.axes if ax["images"]]
+    assert len(heatmaps) == 2
+    for ax in heatmaps:  # matplotlib's default puts ticks at -0.5, 0, 0.5... on a 2 x 2 image
+        assert all(float(t).is_integer() for t in ax["xticks"] + ax["yticks"]), (ax["xticks"], ax["yticks"])
+
+
+# ---- every seed, and links to each run's own report -----------------------------------------------
+
+def test_every_seed_gets_its_figures_on_the_comparison_page(comparison):
+    root, page = comparison["root"], comparison["page"]
+    shown = {(page.parent / src).resolve() for src in comparison["parsed"].images}
+    for record in comparison["records"]:
+        assert (record.run_dir / "report" / "accuracy.png").resolve() in shown, record.run_dir.name
+    for method in METHODS:
+        assert (root / "report" / f"all_{method}_seeds.png").resolve() in shown
+
+
+def test_seed_links_open_that_runs_own_report(comparison):
+    page = comparison["page"]
+    links = [(text, (page.parent / href).resolve()) for href, text in comparison["parsed"].links]
+    for record in comparison["records"]:
+        run_dir = record.run_dir.resolve()
+        targets = [target for text, target in links if text.startswith(f"seed {record.seed}")
+                   and run_dir in target.parents]
+        assert targets, f"no link for seed {record.seed} into {run_dir}"
+        for target in targets:
+            assert target.suffix == ".html" and target.is_file()
+            assert record.run_dir.name in target.read_text()  # the run's page, titled with its name
+    for target in {(page.parent / href).resolve() for href, _ in comparison["parsed"].links}:
+        assert target.suffix == ".html"  # no link opens a JSON file
+
+
+# ---- the run page -------------------------------------------------------------------------------
+
+def test_run_page_shows_the_whole_resolved_config(tmp_path, one_torch_thread):
+    result = pfedkit.run({**CONFIG, "algorithm": "fedper", "seed": 2, "out_dir": str(tmp_path / "runs")})
+    page = report_run(result.run_dir)[-1]
+    parsed = Page(page.read_text())
+    stored = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert len(stored) > 10
+    (shown,) = parsed.pre
+    assert yaml.safe_load(shown) == stored  # every top-level key, with its value
+    text = page.read_text()
+    assert "<details>" in text and text.index("<details>") < text.index("<pre>")  # collapsed
+    summary = next(t for t in parsed.tables if "best_acc" in t["header"])
+    assert summary["header"][0] == "best_acc"  # no index column
+    assert float(summary["rows"][1][0]) == pytest.approx(100 * result.summary["best_acc"], abs=0.01)
