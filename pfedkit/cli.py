@@ -1,4 +1,5 @@
-"""Command line: `pfedkit run | compare | reproduce | report | list | bench | flower | data stats` (see README).
+"""Command line: `pfedkit run | compare | reproduce | report | list | bench | flower | data stats | data fetch`
+(see README).
 
 Configuration errors end with one line on stderr naming the key and exit status 2.
 """
@@ -239,6 +240,17 @@ def cmd_data_stats(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_fetch(ns: argparse.Namespace) -> int:
+    from pfedkit.data.datasets import resolve_data_dir
+    from pfedkit.data.fetch import fetch
+
+    root = resolve_data_dir(ns.data_dir)
+    if root is not None:  # refused before any download when the folder cannot be written
+        check_writable_dir(root, "--data-dir" if ns.data_dir else "PFEDKIT_DATA")
+    print(fetch(ns.name, ns.data_dir, progress=not ns.quiet))
+    return 0
+
+
 def cmd_report(ns: argparse.Namespace) -> int:
     from pfedkit.config import parse_overrides
     from pfedkit.report.comparison_report import is_comparison, report_comparison
@@ -350,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_stats.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     p_stats.add_argument("--out", help="PNG path (default: OUT_DIR/data-stats-DATASET-SCHEME.png)")
     p_stats.set_defaults(func=cmd_data_stats)
+    p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
+                                  "(mnist, fashion_mnist, cifar10, cifar100)")
+    p_fetch.add_argument("name", help="dataset to fetch")
+    p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in (default: $PFEDKIT_DATA)")
+    p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p_fetch.set_defaults(func=cmd_data_fetch)
     return parser
 
 

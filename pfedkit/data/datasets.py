@@ -42,9 +42,9 @@ DATASETS: dict[str, DatasetInfo] = {
     "fashion_mnist": DatasetInfo("fashion_mnist", 10, (1, 28, 28), 70000, False,
                                  "Fashion-MNIST 28x28 grayscale clothing"),
     "cifar10": DatasetInfo("cifar10", 10, (3, 32, 32), 59897, False,
-                           "CIFAR-10 32x32 colour (59,897 of 60,000 images)"),
+                           "CIFAR-10 32x32 colour (shared copy: 59,897 of 60,000 images; fetched: all)"),
     "cifar100": DatasetInfo("cifar100", 100, (3, 32, 32), 60000, False,
-                            "CIFAR-100 32x32 colour (file not shipped yet)"),
+                            "CIFAR-100 32x32 colour, 100 fine classes (pfedkit data fetch cifar100)"),
 }
 
 
@@ -94,7 +94,8 @@ def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None =
     root = resolve_data_dir(data_dir)
     if root is None:
         raise DataError(f"dataset {name!r} needs a data directory: set data_dir=PATH or the "
-                        f"PFEDKIT_DATA environment variable to a folder holding {name}/{name}.npz.xz")
+                        f"PFEDKIT_DATA environment variable to a folder holding {name}/{name}.npz.xz "
+                        f"(get it with `pfedkit data fetch {name} --data-dir DIR`)")
     key = (name, str(root.resolve()), str(_cache_root(cache_dir)))
     if key not in _LOADED:  # runs of a comparison in one process decode and normalise once
         x, y, test = _read_npz(root, name, _cache_root(cache_dir))
@@ -145,8 +146,8 @@ def _read_npz(root: Path, name: str, cache_root: Path) -> tuple[np.ndarray, np.n
     that no longer reads is decoded again, so a bad file never sticks in the cache."""
     source = (root / name / f"{name}.npz.xz").resolve()
     if not source.is_file():
-        raise DataError(f"missing dataset file {source}: copy {name}/{name}.npz.xz into the data "
-                        f"directory (format: ../shared/datasets/README.md) or point data_dir elsewhere")
+        raise DataError(f"missing dataset file {source}: get it with `pfedkit data fetch {name} "
+                        f"--data-dir {root}`, or point data_dir at a folder that has it")
     expected = _expected_checksum(root, f"{name}/{name}.npz.xz")
     stat = source.stat()
     cached = cache_root.absolute() / f"{name}-{expected or f'{stat.st_size}-{int(stat.st_mtime)}'}.npz"
