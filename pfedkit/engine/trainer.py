@@ -144,8 +144,9 @@ class LocalTrainer:
             dropout_seed = derive_seed(s.seed, job.rnd, job.cid, job.seed_tag("dropout"))
             torch.default_generator.manual_seed(dropout_seed)
             seed_device_generator(self.device, dropout_seed)
-            schedule = [batch.to(self.device) for batch in request_schedule(request, s, len(y), generator)] \
-                if on_gpu else request_schedule(request, s, len(y), generator)
+            schedule = request_schedule(request, s, len(y), generator)
+            if on_gpu:  # the indices beside the data they pick
+                schedule = [batch.to(self.device) for batch in schedule]
             if request.step is not None:
                 return self._fit_custom(request, live, trainable, schedule, x, y)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),

@@ -433,11 +433,7 @@ class VectorizedRuntime:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        with thread_count(self.threads):
-            return self._evaluate_all(items)
-
-    def _evaluate_all(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        return self.sequential.evaluate_many(items)
+        return self.sequential.evaluate_many(items)  # with the same threads and device
 
     def close(self) -> None:
         self.sequential.close()
