@@ -1,4 +1,4 @@
-"""Command line: `pfedkit run | compare | reproduce | report | list | bench | flower | data stats | data fetch`
+"""Command line: `pfedkit run | compare | tune | reproduce | report | list | bench | flower | data stats | data fetch`
 (see README).
 
 Configuration errors end with one line on stderr naming the key and exit status 2.
@@ -133,9 +133,8 @@ def parse_seeds(text: str) -> list[int]:
 def cmd_compare(ns: argparse.Namespace) -> int:
     from datetime import datetime
 
-    from pfedkit.algorithms import algorithm_names
     from pfedkit.config import load_config
-    from pfedkit.experiments.comparison import Entry, markdown_table, run_comparison, write_seed_table
+    from pfedkit.experiments.comparison import compare_entries, markdown_table, run_comparison, write_seed_table
 
     source, overrides = split_config_and_overrides(ns.items)
     names = [a.strip() for a in ns.algorithms.split(",") if a.strip()]
@@ -143,14 +142,34 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--algorithms {ns.algorithms}: a name appears twice")
     # Sections of the compared algorithms are expected; any other algorithm's is warned about once.
     base = load_config(source, overrides, expected_sections=names)
-    entries = [Entry(name, load_config(source, overrides + [f"algorithm={name}"],
-                                       expected_sections=algorithm_names()).to_dict()) for name in names]
+    if ns.tuned is not None and not Path(ns.tuned).is_dir():
+        raise ConfigError(f"--tuned {ns.tuned}: not a directory; expected a pfedkit tune --out directory")
+    # --tuned: algorithms with DIR/<algorithm>/best.yaml run with their tuned parameters
+    entries, tuned_record = compare_entries(source, overrides, names, ns.tuned)
     out = Path(ns.out) if ns.out else Path(base.out_dir) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     check_writable_dir(out, "--out" if ns.out else "out_dir")
-    records = run_comparison(out, entries, parse_seeds(ns.seeds), quiet=ns.quiet, extra={"kind": "compare"})
+    records = run_comparison(out, entries, parse_seeds(ns.seeds), quiet=ns.quiet,
+                             extra={"kind": "compare", **tuned_record})
     table = write_seed_table(out, records)
     print(markdown_table(table, COMPACT))
     print(f"comparison directory: {out} (table.md, table.csv; the same command with --out {out} resumes)")
+    return 0
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from pfedkit.config import load_config
+    from pfedkit.experiments.tuning import tune
+
+    source, overrides = split_config_and_overrides(ns.items)
+    config = load_config(source, overrides + [f"algorithm={ns.algorithm}"])
+    out = Path(ns.out) if ns.out else Path(config.out_dir) / "tune"
+    check_writable_dir(out, "--out" if ns.out else "out_dir")
+    result = tune(config, ns.trials, out, ns.space)
+    params = " ".join(f"{key}={value}" for key, value in result.best_params.items())
+    print(f"best of {result.finished} trials: trial {result.best_trial}, validation {100 * result.best_value:.2f}%: "
+          f"{params}")
+    print(f"tuning directory: {result.directory} (best.yaml, best_config.yaml, trials.csv); "
+          f"pfedkit compare CONFIG --tuned {out} --algorithms ... runs the tuned configs over seeds")
     return 0
 
 
@@ -163,7 +182,8 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     from pfedkit.experiments.reproduce import list_paper, list_papers, reproduce
 
     if ns.list:
-        print(list_paper(load_paper(ns.paper)) if ns.paper else list_papers())
+        data_dir = parse_overrides(ns.overrides).get("data_dir")  # where --list looks for each table's data
+        print(list_paper(load_paper(ns.paper), data_dir) if ns.paper else list_papers())
         return 0
     if ns.paper is None:
         raise ConfigError(f"reproduce: name a paper ({', '.join(PAPERS)}); pfedkit reproduce --list shows their tables")
@@ -225,18 +245,31 @@ def cmd_data_stats(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config
     from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import split_indices
+    from pfedkit.data.hf import file_label
     from pfedkit.data.stats import client_class_table, write_heatmap
 
     source, overrides = split_config_and_overrides(ns.items)
     config = load_config(source, overrides)
-    out = Path(ns.out or Path(config.out_dir) / f"data-stats-{config.dataset}-{config.partition.scheme}.png")
+    out = Path(ns.out or Path(config.out_dir) / f"data-stats-{file_label(config.dataset)}-{config.partition.scheme}.png")
     check_writable_file(out, "--out" if ns.out else "out_dir")
-    dataset = load_dataset(config.dataset, config.data_dir)
+    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
     train_index, test_index = split_indices(config, dataset)
     table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
     print(table.to_string())
     write_heatmap(table, out, title=f"{config.dataset}: {config.partition.scheme}, {config.num_clients} clients")
     print(f"heatmap: {out}")
+    return 0
+
+
+def cmd_data_export(ns: argparse.Namespace) -> int:
+    from pfedkit.data.export import export_partition
+
+    if not ns.items:
+        raise ConfigError("data export: give a run directory, or a config file and/or key=value overrides")
+    out = Path(ns.out)
+    check_writable_dir(out.parent, "--out", given=out)
+    written = export_partition(ns.items, out)
+    print(f"exported: {written} (datasets.load_from_disk; one split per client, see docs/data.md)")
     return 0
 
 
@@ -305,8 +338,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--seeds", default="0", help="0,1,2 or 0-4 (default 0)")
     p_cmp.add_argument("--out", help="comparison directory (default OUT_DIR/compare-TIMESTAMP); "
                        "an existing one resumes")
+    p_cmp.add_argument("--tuned", metavar="DIR", help="a pfedkit tune directory: algorithms with DIR/ALGORITHM/"
+                       "best.yaml run with their tuned parameters, the others with their defaults")
     p_cmp.add_argument("-q", "--quiet", action="store_true")
     p_cmp.set_defaults(func=cmd_compare)
+
+    p_tune = sub.add_parser("tune", help="tune an algorithm's hyperparameters on a validation split (Optuna TPE, "
+                            "median pruning); resumable")
+    p_tune.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (validation_fraction=0.2 by default)")
+    p_tune.add_argument("--algorithm", required=True, help="the algorithm to tune (pfedkit list)")
+    p_tune.add_argument("--trials", type=int, required=True,
+                        help="finished trials in total (a rerun with more continues the study)")
+    p_tune.add_argument("--space", metavar="FILE", help="search-space YAML replacing the shipped one "
+                        "(pfedkit/experiments/tuning_spaces.yaml; see docs/tuning.md)")
+    p_tune.add_argument("--out", metavar="DIR", help="tuning directory (default OUT_DIR/tune); the study goes "
+                        "in DIR/ALGORITHM and a rerun resumes it")
+    p_tune.set_defaults(func=cmd_tune)
 
     p_rep = sub.add_parser("reproduce", help="a paper's table at a budget, our mean ± std beside the paper's numbers")
     p_rep.add_argument("paper", nargs="?", help="fedrema, pfedpm, cwfedavg, pfedcs or dapfl "
@@ -363,11 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_stats.add_argument("--out", help="PNG path (default: OUT_DIR/data-stats-DATASET-SCHEME.png)")
     p_stats.set_defaults(func=cmd_data_stats)
     p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
-                                  "(mnist, fashion_mnist, cifar10, cifar100)")
+                                  "(mnist, fashion_mnist, cifar10, cifar100, ...; ag_news: tokenised text)")
     p_fetch.add_argument("name", help="dataset to fetch")
     p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in (default: $PFEDKIT_DATA)")
     p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_fetch.set_defaults(func=cmd_data_fetch)
+    p_export = data_sub.add_parser("export", help="a run's partition as a Hugging Face DatasetDict (one split "
+                                   "per client) for flwr-datasets / datasets.load_from_disk")
+    p_export.add_argument("items", nargs="*", help="RUN_DIR, or [CONFIG.yaml] [key=value ...]")
+    p_export.add_argument("--out", required=True, help="new (or empty) folder to write the DatasetDict into")
+    p_export.set_defaults(func=cmd_data_export)
     return parser
 
 

@@ -44,7 +44,7 @@ def did_you_mean(word: Any, choices: Iterable[str]) -> str:
 
 
 PartitionScheme = Literal["iid", "dirichlet", "dirichlet_client", "pathological", "shards",
-                          "group_dominant", "nway_kshot"]
+                          "group_dominant", "nway_kshot", "natural"]
 
 # Which partition-config fields each scheme passes to `pfedkit.data.partition.partition`.
 SCHEME_PARAMS: dict[str, tuple[str, ...]] = {
@@ -55,6 +55,7 @@ SCHEME_PARAMS: dict[str, tuple[str, ...]] = {
     "shards": ("shards_per_client",),
     "group_dominant": ("s", "samples_per_client"),
     "nway_kshot": ("n", "k", "n_noise", "k_noise"),
+    "natural": (),  # one client per writer (the dataset's writer ids); num_clients < writers: a seeded sample
 }
 
 
@@ -111,6 +112,9 @@ class RayConfig(BaseModel):
 
     address: str | None = Field(None, description="an existing Ray cluster (e.g. 10.0.0.5:6379 or auto); "
                                 "None: start a local Ray for the run")
+    gpus_per_worker: float | None = Field(None, ge=0, description="GPUs each actor asks Ray for on a GPU run "
+                                          "(fractions share a GPU: 0.5 puts two actors on one); None: 1 with "
+                                          "device cuda, 0 on the CPU (device=cpu always uses 0)")
 
 
 class FlowerConfig(BaseModel):
@@ -122,6 +126,38 @@ class FlowerConfig(BaseModel):
     connect_timeout: float = Field(300.0, gt=0, description="seconds the server waits for all num_clients "
                                    "nodes to connect")
     client_cpus: float = Field(1.0, gt=0, description="simulate: CPUs each virtual node (Ray actor) needs")
+    client_gpus: float = Field(0.0, ge=0, description="simulate: GPUs each virtual node (Ray actor) needs "
+                               "(0.5: two nodes per GPU); 0 leaves every node on the first GPU with device=auto/cuda")
+
+
+class DataConfig(BaseModel):
+    """Options of datasets read from elsewhere: `dataset=hf:NAME_OR_DIR` (see docs/data.md)."""
+    model_config = ConfigDict(extra="forbid")
+
+    image_column: str = Field("image", min_length=1, description="hf: the column holding the images")
+    label_column: str = Field("label", min_length=1, description="hf: the column holding the class labels")
+    revision: str | None = Field(None, description="hf: the Hub revision (branch, tag or commit) to load; "
+                                 "part of the cache key (None: the Hub's default branch, cached once)")
+
+
+class DPConfig(BaseModel):
+    """Differential privacy (docs/privacy.md). `client`: DP-FedAvg (McMahan et al., ICLR 2018): each
+    participant's update is clipped to `clip` and Gaussian noise of std noise_multiplier * clip / m is
+    added to the uniform mean of m updates. `sample`: DP-SGD in local training (per-sample clipping
+    to `sample_clip`, noise `sample_noise_multiplier`). epsilon for `delta` is reported per round."""
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal["none", "client", "sample"] = Field("none", description="none, client (DP-FedAvg: "
+                                                       "clip + noise the aggregate) or sample (DP-SGD locally)")
+    clip: float = Field(1.0, gt=0, description="client level: L2 bound on each client's model update")
+    noise_multiplier: float = Field(1.0, ge=0, description="client level: noise std / (clip / m)")
+    sample_clip: float = Field(1.0, gt=0, description="sample level: L2 bound on each sample's gradient")
+    sample_noise_multiplier: float = Field(1.0, ge=0, description="sample level: noise std / sample_clip")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) reported")
+    target_epsilon: float | None = Field(None, gt=0, description="stop before a round that would exceed it")
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant: rdp or prv")
+    replace_batchnorm: bool = Field(False, description="sample level: the model's BatchNorm layers become "
+                                    "GroupNorm (DP-SGD needs per-sample gradients; BatchNorm mixes samples)")
 
 
 class Config(BaseModel):
@@ -140,6 +176,11 @@ class Config(BaseModel):
     join_ratio: float = Field(1.0, gt=0, le=1)
     participants: Literal["round", "floor"] = Field(
         "round", description="clients per round: round(join_ratio * N), or int(join_ratio * N) (PFLlib)")
+    new_clients: int = Field(0, ge=0, description="clients (chosen with the seed) that never train and are "
+                             "never aggregated: each evaluation, they receive what a joining client would and "
+                             "are evaluated (generalisation to new clients); join_ratio applies to the others")
+    new_client_finetune: int = Field(0, ge=0, description="local epochs a new client trains on its own training "
+                                     "split from what it received before it is evaluated (0: evaluated as received)")
     rounds: int = Field(20, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
@@ -156,6 +197,8 @@ class Config(BaseModel):
         "after_download", description="evaluate the model a client would use after the round (what it "
         "downloads next; PFLlib) or a participant's model right after its local training (DA-PFL)")
     headline: HeadlineConfig = Field(default_factory=HeadlineConfig)
+    validation_fraction: float = Field(0.0, ge=0, lt=1, description="share of each client's training split carved out (seeded, stratified) as a validation split: removed from training and evaluated instead of the test split, which is then never read (pfedkit tune; 0: off)")
+    dp: DPConfig = Field(default_factory=DPConfig)
     backend: Literal["sequential", "processes", "vectorized", "ray"] = "sequential"
     workers: int | None = Field(None, ge=1, description="processes / ray backend: worker count (default: "
                                 "cores; ray: the cluster's CPUs)")
@@ -174,6 +217,7 @@ class Config(BaseModel):
         "they would take more than half of the available memory)")
     channels_last: bool = Field(True, description="channels_last memory format for conv models")
     data_dir: str | None = None
+    data: DataConfig = Field(default_factory=DataConfig, description="options of hf: datasets")
     preset: str | None = Field(None, description="a shipped set of defaults (pfedkit list); the file and "
                                "overrides win over it")
     out_dir: str = "runs"
@@ -199,6 +243,9 @@ class Config(BaseModel):
                 allowed = ", ".join(sorted(Config.model_fields))
                 hint = did_you_mean(key, list(Config.model_fields) + names)
                 raise ValueError(f"{key}: unknown key{hint}; allowed keys: {allowed}, or an algorithm section")
+        if self.new_clients >= self.num_clients:
+            raise ValueError(f"new_clients: {self.new_clients} new clients leave none of the {self.num_clients} "
+                             f"clients to train; allowed: 0..{self.num_clients - 1}")
         return self
 
     def hyper(self, algorithm: str | None = None) -> BaseModel:
@@ -217,6 +264,8 @@ class Config(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
+        if self.dp.level == "none":
+            del data["dp"]  # off: config.yaml and the run identity stay as before differential privacy existed
         for name in self.model_extra or {}:
             data[name] = self.hyper(name).model_dump(mode="json")
         if self.algorithm not in data:
@@ -434,6 +483,13 @@ def check_against_dataset(config: Config) -> None:
     from pfedkit.data.datasets import DATASETS
     from pfedkit.models import model_names
 
+    if config.dataset.startswith("hf:"):  # size and classes are known once converted: checked when loaded
+        if not config.dataset[3:].strip():
+            raise ConfigError("dataset: hf: needs a Hub dataset name or a save_to_disk folder, e.g. hf:ylecun/mnist")
+        if config.model != "auto" and config.model not in model_names():
+            raise ConfigError(f"model: unknown model {config.model!r}{did_you_mean(config.model, model_names())}; "
+                              f"allowed: auto, {', '.join(model_names())}")
+        return
     if config.dataset not in DATASETS:
         raise ConfigError(f"dataset: unknown dataset {config.dataset!r}{did_you_mean(config.dataset, DATASETS)}; "
                           f"allowed: {', '.join(DATASETS)}")

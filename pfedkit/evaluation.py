@@ -120,31 +120,26 @@ def group_accuracy(class_correct: np.ndarray, class_total: np.ndarray, train_cou
 def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: int,
               class_correct: np.ndarray | None, class_total: np.ndarray | None,
               train_counts: np.ndarray, weighting: str = "weighted", point: str = "best",
-              eval_point: str = "after_download") -> dict:
+              eval_point: str = "after_download", new_client_finetune: int = 0) -> dict:
     """The run's summary.json content: every number, and `headline_acc`, the one chosen by
-    (`weighting`, `point`) with `headline` saying in words which it is."""
+    (`weighting`, `point`) with `headline` saying in words which it is.
+
+    With new clients (config `new_clients`: metrics has a `new_client` column), every accuracy
+    above is the participants' (the clients that train) and `new_clients_*` the same numbers over
+    the new clients alone (`new_clients_headline_acc` chosen as `headline_acc`)."""
+    new_ids: list[int] = []
+    if "new_client" in metrics.columns:
+        is_new = metrics["new_client"] == 1
+        new_ids = sorted(int(c) for c in metrics.loc[is_new, "client"].unique())
+        newcomers, metrics = metrics[is_new], metrics[~is_new]
     table = round_table(metrics)
-    last = table.tail(LAST_K)
-    last_long = table.tail(LAST_K_LONG)
-    best_round = int(table["acc_weighted"].idxmax()) if len(table) else None
-    final = table.iloc[-1] if len(table) else None
     summary = {
         "algorithm": algorithm,
         "dataset": dataset,
         "rounds": rounds,
         "rounds_done": int(metrics["round"].max()) if len(metrics) else 0,
-        "best_round": best_round,
-        "best_acc": _num(table["acc_weighted"].max()),
-        "last5_acc": _num(last["acc_weighted"].mean()),
-        "last10_acc": _num(last_long["acc_weighted"].mean()),
-        "final_acc": _num(final["acc_weighted"]) if final is not None else None,
-        "best_acc_unweighted": _num(table["acc_mean"].max()),
-        "last5_acc_unweighted": _num(last["acc_mean"].mean()),
-        "last10_acc_unweighted": _num(last_long["acc_mean"].mean()),
-        "final_acc_unweighted": _num(final["acc_mean"]) if final is not None else None,
-        "final_acc_std": _num(final["acc_std"]) if final is not None else None,
-        "final_acc_worst": _num(final["acc_worst"]) if final is not None else None,
-        "final_balanced_acc": _num(final["balanced_acc"]) if final is not None else None,
+        "best_round": int(table["acc_weighted"].idxmax()) if len(table) else None,
+        **accuracy_numbers(table),
         "bytes_up": int(metrics["bytes_up"].sum()),
         "bytes_down": int(metrics["bytes_down"].sum()),
         # one-off setup exchange (round 0), included in bytes_up; settings.md §4.6 reports it apart
@@ -154,8 +149,45 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
     summary["headline_acc"] = summary[key]
     summary["headline"] = f"{HEADLINE_WORDS[weighting]}, {HEADLINE_WORDS[point]}; evaluated {eval_point.replace('_', ' ')}"
     if class_correct is not None and class_total is not None:
-        summary["final_group_acc"] = group_accuracy(class_correct, class_total, train_counts)
+        keep = np.setdiff1d(np.arange(len(class_correct)), new_ids)  # the participants' side
+        summary["final_group_acc"] = group_accuracy(class_correct[keep], class_total[keep], train_counts[keep])
+    if new_ids:
+        summary.update(new_client_summary(newcomers, new_ids, new_client_finetune, key))
     return summary
+
+
+def new_client_summary(newcomers: pd.DataFrame, new_ids: list[int], finetune_epochs: int, headline_key: str) -> dict:
+    """`new_clients_*`: the clients that never trained, evaluated after receiving what a joining
+    client would and `finetune_epochs` local epochs (best round chosen on their own test splits)."""
+    numbers = accuracy_numbers(round_table(newcomers))
+    out = {"new_clients": new_ids, "new_client_finetune": int(finetune_epochs)}
+    out.update({f"new_clients_{name}": value for name, value in numbers.items()})
+    out["new_clients_headline_acc"] = numbers[headline_key]
+    return out
+
+
+def accuracy_numbers(table: pd.DataFrame) -> dict:
+    """Best, last-5, last-10 and final accuracy (weighted, then unweighted) and the final round's
+    spread of a `round_table`: the accuracy part of a summary."""
+    last, last_long = table.tail(LAST_K), table.tail(LAST_K_LONG)
+    final = table.iloc[-1] if len(table) else None
+
+    def at_final(column: str) -> float | None:
+        return _num(final[column]) if final is not None else None
+
+    return {
+        "best_acc": _num(table["acc_weighted"].max()),
+        "last5_acc": _num(last["acc_weighted"].mean()),
+        "last10_acc": _num(last_long["acc_weighted"].mean()),
+        "final_acc": at_final("acc_weighted"),
+        "best_acc_unweighted": _num(table["acc_mean"].max()),
+        "last5_acc_unweighted": _num(last["acc_mean"].mean()),
+        "last10_acc_unweighted": _num(last_long["acc_mean"].mean()),
+        "final_acc_unweighted": at_final("acc_mean"),
+        "final_acc_std": at_final("acc_std"),
+        "final_acc_worst": at_final("acc_worst"),
+        "final_balanced_acc": at_final("balanced_acc"),
+    }
 
 
 def _num(value) -> float | None:

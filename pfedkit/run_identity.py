@@ -9,6 +9,7 @@ both `runs.py` (resume) and `experiments/comparison.py` (reuse of finished runs)
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Any
 
 from pfedkit.config import Config
@@ -42,13 +43,27 @@ MISSING = "(absent)"
 
 
 def changed_keys(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{dotted key: (value before, value after)} for every key whose value differs, in key order."""
+    """{dotted key: (value before, value after)} for every key whose value differs, in key order.
+
+    A key absent on one side equals the config's default for it: a run written before a key
+    existed (new_clients, validation_fraction, ...) computed what that key's default computes, so
+    it still resumes and is still reused."""
     old, new = flatten(before), flatten(after)
     changes = {}
     for key in sorted(old.keys() | new.keys()):
-        if _canonical(old.get(key, MISSING)) != _canonical(new.get(key, MISSING)):
-            changes[key] = (old.get(key, MISSING), new.get(key, MISSING))
+        was, now = old.get(key, MISSING), new.get(key, MISSING)
+        if _canonical(_or_default(key, was)) != _canonical(_or_default(key, now)):
+            changes[key] = (was, now)
     return changes
+
+
+@cache
+def _defaults() -> dict[str, Any]:
+    return flatten(Config().to_dict())
+
+
+def _or_default(key: str, value: Any) -> Any:
+    return _defaults().get(key, MISSING) if value is MISSING else value
 
 
 def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -47,6 +48,8 @@ from pfedkit.engine.simulate import SimState, Simulation, TrainingDiverged
 from pfedkit.engine.trainer import TrainSettings
 from pfedkit.evaluation import summarize
 from pfedkit.models import build_model, default_model
+from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
+from pfedkit.privacy.setup import attach_client_dp, check_sample_dp, privacy_budget
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
@@ -136,6 +139,8 @@ def model_builder(config: Config, input_shape, num_classes: int, head: str, chan
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0, SERVER, "model-init"))
             model = build_model(name, tuple(input_shape), num_classes, head=head, **options)
+        if config.dp.level == "sample" and config.dp.replace_batchnorm:  # DP-SGD: no BatchNorm (docs/privacy.md)
+            model = batchnorm_to_groupnorm(model)
         return model.to(memory_format=torch.channels_last) if channels_last else model
     return build
 
@@ -190,7 +195,7 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
     `state_dir`: where client states go when they are kept on disk (`client_states`); default:
     the resumed run's, or a scratch directory under `out_dir` deleted with the state."""
     check_precision(config)
-    dataset = load_dataset(config.dataset, config.data_dir)
+    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
     channels_last = uses_channels_last(config, dataset.input_shape)
     if resume_dir is not None:
         with np.load(resume_dir / "partition.npz") as saved:
@@ -226,7 +231,8 @@ def simulation_for(config: Config, algorithm, data: FederatedData, runtime, clie
     return Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
                       join_ratio=config.join_ratio, eval_every=config.eval_every,
                       keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
-                      participants=config.participants, clients=clients, placement=placement)
+                      participants=config.participants, clients=clients, placement=placement,
+                      new_clients=config.new_clients, new_client_finetune=config.new_client_finetune)
 
 
 def build_algorithm(config: Config, input_shape, num_classes: int, train_counts: np.ndarray):
@@ -245,13 +251,18 @@ def build_algorithm(config: Config, input_shape, num_classes: int, train_counts:
                   client_ops, rounds=config.rounds)
     algorithm = algo_cls(config.hyper(), setup)
     algorithm.check()
+    attach_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
+    if config.dp.level == "sample":
+        check_sample_dp(config, archs.build())
     return algorithm, archs
 
 
 def train_settings(config: Config) -> TrainSettings:
     return TrainSettings(config.local_epochs, config.batch_size, config.lr, config.momentum,
                          config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed,
-                         config.keep_optimizer_state, config.compile)
+                         config.keep_optimizer_state, config.compile,
+                         dp_sample_clip=config.dp.sample_clip if config.dp.level == "sample" else None,
+                         dp_sample_noise=config.dp.sample_noise_multiplier)
 
 
 def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData):
@@ -265,14 +276,16 @@ def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData
     if config.backend == "sequential":
         return SequentialRuntime(build, settings, data, threads=config.threads, device=device, **extra)
     if config.backend == "processes":
-        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads, **extra)
+        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads, device=device,
+                              **extra)
     if config.backend == "vectorized":
         from pfedkit.engine.vectorized import VectorizedRuntime
         return VectorizedRuntime(build, settings, data, threads=config.threads, device=device, **extra)
     if config.backend == "ray":
         from pfedkit.engine.ray_runtime import RayRuntime
         return RayRuntime(build, settings, data, workers=config.workers, threads=config.threads,
-                          address=config.ray.address, **extra)
+                          address=config.ray.address, device=device, gpus_per_worker=config.ray.gpus_per_worker,
+                          **extra)
     raise ConfigError(f"backend: {config.backend!r} is not available; allowed: sequential, processes, vectorized, ray")
 
 
@@ -286,7 +299,9 @@ def check_run_name(name: str) -> None:
 
 
 def default_run_name(config: Config) -> str:
-    return f"{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"
+    from pfedkit.data.hf import file_label  # hf:path/to/folder -> hf-folder
+
+    return f"{config.algorithm}-{file_label(config.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
 def claim_run_dir(config: Config) -> Path:
@@ -321,13 +336,22 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
     sim, state = context.simulation, context.state
     bar = tqdm(total=config.rounds, initial=state.round, disable=quiet, unit="round",
                desc=f"{config.algorithm} {config.dataset}", dynamic_ncols=True)
+    budget = privacy_budget(config, sim)
     try:
         while state.round < config.rounds:
+            if budget is not None and (stop := budget.exhausted(state.rows, state.round,
+                                                                budget.participants(state.round + 1))):
+                tqdm.write(stop, file=sys.stderr)  # a normal end: the rounds done are written, the summary follows
+                if state.round:
+                    save_progress(run_dir, state, checkpoint=context.resumable)  # checkpoint_every may have skipped it
+                break
             try:
                 report = sim.run_round(state)
             except TrainingDiverged as err:
                 keep_completed_rounds(run_dir, state, config, err)
                 raise
+            if budget is not None:
+                budget.write_epsilon(state.rows, state.round)
             if report.acc_weighted is not None:
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)
@@ -338,7 +362,8 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
         context.runtime.close()
     metrics = pd.DataFrame(state.rows)
     return Result(finish_summary(run_dir, state, config, context.data, context.backend,
-                                 getattr(context.runtime, "device", torch.device("cpu"))), metrics, run_dir)
+                                 getattr(context.runtime, "device", torch.device("cpu")), budget),
+                  metrics, run_dir)
 
 
 def keep_completed_rounds(run_dir: Path, state: SimState, config: Config, err: TrainingDiverged) -> None:
@@ -368,18 +393,22 @@ def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> No
 
 
 def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData,
-                   backend: str | None = None, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+                   backend: str | None = None, device: torch.device = torch.device("cpu"),
+                   budget: Any = None) -> dict[str, Any]:
     metrics = pd.DataFrame(state.rows)
     summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
                         class_correct=state.class_correct, class_total=state.class_total,
                         train_counts=data.train_counts(), weighting=config.headline.weighting,
-                        point=config.headline.point, eval_point=config.eval_point)
+                        point=config.headline.point, eval_point=config.eval_point,
+                        new_client_finetune=config.new_client_finetune)
     summary.update({"model": model_name(config), "num_clients": config.num_clients,
                     "partition": config.partition.scheme, "backend": backend or config.backend,
                     "device": describe_device(device),
                     "seconds": round(state.seconds, 3),
                     "sec_per_round": round(state.seconds / max(1, state.round), 4),
                     "run_dir": str(run_dir)})
+    if budget is not None:  # dp: the guarantee of the rounds done (docs/privacy.md)
+        summary.update(budget.summary(state.rows, state.round, config.rounds))
     atomic_write_json(run_dir / "summary.json", summary)  # strict JSON: NaN and infinities as null
     write_client_tables(run_dir, state, data)
     return summary

@@ -16,6 +16,7 @@ import pfedkit
 from pfedkit.algorithms import algorithm_names
 from pfedkit.cli import main
 from pfedkit.config import ConfigError
+from pfedkit.engine import device as device_module
 from pfedkit.engine.device import DeviceData, resolve_device, to_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -26,31 +27,36 @@ def gpu_config(small_config, **extra) -> dict:
 
 
 # ------------------------------------------------------------------ everywhere (CPU checks)
-def test_auto_is_cpu_without_cuda_and_for_cpu_backends(monkeypatch):
+def test_auto_is_cpu_without_cuda_and_a_gpu_with_one(monkeypatch):
+    monkeypatch.setattr(device_module, "make_deterministic", lambda device: None)  # process-wide switches
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert resolve_device("auto", "sequential") == torch.device("cpu")
+    for backend in ("sequential", "vectorized", "processes", "ray"):
+        assert resolve_device("auto", backend) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert resolve_device("auto", "processes") == torch.device("cpu")  # CPU workers
-    assert resolve_device("auto", "ray") == torch.device("cpu")
+    assert resolve_device("auto", "sequential") == torch.device("cuda", 0)
+    assert resolve_device("auto", "processes") == torch.device("cuda")  # workers over every GPU
+    assert resolve_device("auto", "ray") == torch.device("cuda")  # the GPUs Ray gives the actors
     assert resolve_device("cpu", "vectorized") == torch.device("cpu")
 
 
 @pytest.mark.parametrize("spec, backend, culprit", [
-    ("cuda", "processes", "backend=processes"),
+    ("cuda", "processes", "device=cuda"),
     ("cuda:0", "ray", "backend=ray"),
     ("gpu", "sequential", "'gpu'"),
     ("cuda:x", "sequential", "'cuda:x'"),
 ])
-def test_unusable_devices_are_refused_in_one_line(spec, backend, culprit):
+def test_unusable_devices_are_refused_in_one_line(spec, backend, culprit, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on a machine without CUDA
     with pytest.raises(ConfigError) as err:
         resolve_device(spec, backend)
     assert culprit in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cuda_index_beyond_the_devices_is_refused(monkeypatch):
+@pytest.mark.parametrize("backend", ["sequential", "processes"])
+def test_cuda_index_beyond_the_devices_is_refused(monkeypatch, backend):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="1 CUDA device"):
-        resolve_device("cuda:1", "sequential")
+        resolve_device("cuda:1", backend)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -210,7 +210,7 @@ def test_dropout_is_off_in_eval_mode_and_on_in_train_mode():
 def test_registry_lists_every_model_with_a_one_line_description():
     assert model_names() == list(MODELS)
     assert set(model_names()) == {"mlp", "cnn", "alexnet", "resnet18", "cnn_cifar",
-                                  "cnn_cifar100", "cnn_proto"}
+                                  "cnn_cifar100", "cnn_proto", "fasttext"}
     for name, info in MODELS.items():
         assert info.name == name and info.description and "\n" not in info.description
         assert "last" in info.heads

@@ -54,6 +54,7 @@ SCHEME_CASES = {
     "shards": {"shards_per_client": 2},
     "group_dominant": {"s": 0.2, "samples_per_client": 600},
     "nway_kshot": {"n": 3, "k": 100},
+    "natural": {"writers": np.arange(sum(MNIST_CLASS_SIZES)) % 50},  # 50 writers, 20 of them drawn
 }
 COVERING = ["iid", "dirichlet", "pathological", "shards"]
 

@@ -95,9 +95,20 @@ class SampleWeightedMean:
 def params_mean_aggregation(algorithm, defining: type, rnd: int, server: Any, cids: list[int], server_key: str):
     """The streamed form of `{server_key: fedavg_aggregate(replies)} if replies else server` (the
     n_i-weighted mean of the replies' "params"), for an algorithm whose `aggregate` is that and is
-    defined by `defining`; a subclass that aggregates otherwise gets the batch default."""
+    defined by `defining`; a subclass that aggregates otherwise gets the batch default. With
+    client-level DP on (`algorithm.client_dp`), the clipped, uniform, noised mean instead
+    (`pfedkit.privacy.client_dp.ClientDPMean`)."""
     if type(algorithm).aggregate is not defining.aggregate:
+        if getattr(algorithm, "client_dp", None) is not None:  # `privacy.setup` refuses this at start
+            raise RuntimeError(f"client-level DP: {algorithm.name} does not aggregate by the mean of updates")
         return CollectReplies(partial(algorithm.aggregate, rnd, server))
+    if getattr(algorithm, "client_dp", None) is not None:
+        # Client-level DP (docs/privacy.md): the ONE place where updates are clipped and noised;
+        # every algorithm aggregating through here gets it. The reference is the broadcast model.
+        from pfedkit.privacy.client_dp import ClientDPMean
+
+        return ClientDPMean("params", cids, server[server_key] if cids else None, lambda mean: {server_key: mean},
+                            server, algorithm.client_dp, rnd, algorithm.record)
     counts = algorithm.setup.train_counts  # n_i: the participants' training-set sizes
     return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},
                               lambda mean: {server_key: mean}, server)

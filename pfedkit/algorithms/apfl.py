@@ -84,6 +84,10 @@ class APFL(FedAvg):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return mixture(client["personal"], server["params"], client["alpha"])
 
+    def joining_model(self, cid: int, server: dict, client: dict, data: ClientData) -> Params:
+        """A newcomer has no personal model v_i (nor a learned alpha): it receives the global w."""
+        return server["params"]
+
     def trained_model(self, cid: int, client: dict, params: Params) -> Params:
         """After local training: the new v_i and alpha_i mixed with the w this client just trained."""
         return mixture(client["personal"], {n: t for n, t in params.items() if n in client["personal"]}, client["alpha"])

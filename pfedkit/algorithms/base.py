@@ -223,6 +223,10 @@ class Algorithm:
     # True when clients may use different architectures (config `client_model_options`): the
     # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
     supports_heterogeneous_models: ClassVar[bool] = False
+    # Client-level DP settings (`pfedkit.privacy.client_dp.ClientDP`), set on the instance by
+    # `pfedkit.privacy.setup.attach_client_dp` for algorithms that aggregate through
+    # `params_mean_aggregation`; None: no DP.
+    client_dp: Any = None
 
     def __init__(self, hyper: BaseModel, setup: Setup) -> None:
         self.h = hyper
@@ -319,6 +323,29 @@ class Algorithm:
     def client_model(self, cid: int, server: Any, client: Any) -> Params:
         """The parameters client `cid` would predict with now (what evaluation measures)."""
         raise NotImplementedError
+
+    # --- clients that never trained (config `new_clients`) -------------------------------------
+
+    def new_client_refusal(self) -> str | None:
+        """Why this algorithm cannot give a model to a client that never trained (config
+        `new_clients`), in a few words; None (the default): it can, through `joining_model`. The
+        engine refuses `new_clients > 0` at start with a one-line ConfigError naming both."""
+        return None
+
+    def joining_model(self, cid: int, server: Any, client: Any, data: ClientData) -> Params:
+        """What client `cid`, which never trained and was never aggregated, receives when it joins
+        now: the model it starts from (then `new_client_finetune` epochs of SGD on its training
+        split, then evaluation on its test split). `client` is its fresh state (`init_client`),
+        `data` its data (a method whose choice reads the client's data, as IFCA's lowest-loss
+        cluster, computes it here, on the client's side). Nothing written here is kept.
+
+        Default: `client_model` with that fresh state, which is the global model for methods with
+        one (FedAvg, FedProx, MOON, pFedMe before the first participation...), the shared part with
+        the client's initial private part for partial sharing (FedPer, FedRep, LG-FedAvg, FedBABU,
+        FedRoD), and the initial model where nothing model-shaped is shared (Local). A method whose
+        `client_model` reads a personal model that a newcomer does not have returns the server's
+        model instead (Ditto, APFL) or refuses (`new_client_refusal`)."""
+        return self.client_model(cid, server, client)
 
 
 def message_bytes(message: Any) -> int:

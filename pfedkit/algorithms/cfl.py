@@ -168,6 +168,15 @@ class CFL(Algorithm):
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         return server["models"][int(server["membership"][cid])]
 
+    def joining_model(self, cid: int, server: dict, client: Any, data: ClientData) -> Params:
+        """A newcomer has no update to split by (its membership entry is cluster 0 only because it
+        was never moved): it takes the cluster model with the lowest loss on its training data
+        [ours, IFCA's rule]."""
+        from pfedkit.algorithms.ifca import choose_cluster
+
+        cluster, _ = choose_cluster(self.setup.ops_for(cid), server["models"], data)
+        return server["models"][cluster]
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

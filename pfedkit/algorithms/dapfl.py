@@ -343,6 +343,10 @@ class DAPFL(Algorithm):
         """The client's own model after its latest local training (the initial model if it never took part)."""
         return client["params"]
 
+    def new_client_refusal(self) -> str:
+        return ("its server keeps no model between rounds: a peer mixture w_i^g exists only for a round's "
+                "participants, from their uploads, and needs the newcomer's class counts from the setup exchange")
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

@@ -43,3 +43,7 @@ class Ditto(FedAvg):
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["personal"]
+
+    def joining_model(self, cid: int, server: dict, client: dict, data: ClientData) -> Params:
+        """A newcomer has no personal model: it receives the global model (PFLlib's new clients)."""
+        return server["params"]

@@ -108,6 +108,10 @@ class FedAMP(Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["params"]
 
+    def new_client_refusal(self) -> str:
+        return ("its server stores every client's model and mixes all of them, a newcomer's initial one "
+                "included, into each participant's cloud model, so a newcomer would not stay out of training")
+
     @staticmethod
     def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
         from pfedkit.report.plots import lines

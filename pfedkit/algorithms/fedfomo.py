@@ -205,6 +205,10 @@ class FedFomo(Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["params"]
 
+    def new_client_refusal(self) -> str:
+        return ("a client's model is its own mixture of the peers it chose by affinities learned over its "
+                "own past rounds, which a newcomer does not have")
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

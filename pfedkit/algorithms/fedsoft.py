@@ -222,6 +222,14 @@ class FedSoft(Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["params"]
 
+    def joining_model(self, cid: int, server: dict, client: dict, data: ClientData) -> Params:
+        """A newcomer has no local model yet: it takes the centre with the lowest loss on its
+        training data [ours, IFCA's rule; the centre most of its importance would go to]."""
+        from pfedkit.algorithms.ifca import choose_cluster
+
+        centre, _ = choose_cluster(self.setup.ops_for(cid), server["centres"], data)
+        return server["centres"][centre]
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

@@ -128,6 +128,14 @@ class FeSEM(Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["params"]
 
+    def joining_model(self, cid: int, server: dict, client: dict, data: ClientData) -> Params:
+        """A newcomer has no local model to measure distances from: it takes the centre with the
+        lowest loss on its training data [ours, IFCA's rule]."""
+        from pfedkit.algorithms.ifca import choose_cluster
+
+        centre, _ = choose_cluster(self.setup.ops_for(cid), server["centres"], data)
+        return server["centres"][centre]
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

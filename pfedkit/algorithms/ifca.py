@@ -94,6 +94,12 @@ class IFCA(Algorithm):
         cluster = client["cluster"]
         return server["models"][0 if cluster is None else cluster]
 
+    def joining_model(self, cid: int, server: dict, client: dict, data: ClientData) -> Params:
+        """A newcomer downloads the k models and keeps the one with the lowest loss on its training
+        data: the choice every participant makes (`choose_cluster`)."""
+        cluster, _ = choose_cluster(self.setup.ops_for(cid), server["models"], data)
+        return server["models"][cluster]
+
     # --- report ------------------------------------------------------------------------------
 
     @staticmethod

@@ -448,6 +448,14 @@ class PFedCS(Algorithm):
     def has_custom_predict(self) -> bool:
         return self.h.logit_normalisation != "none"
 
+    def new_client_refusal(self) -> str | None:
+        """The default joining model (global body + the client's initial head) is fine, but the
+        normalised prediction reads the head from the client's state, not the fine-tuned model."""
+        if self.has_custom_predict():
+            return ("its prediction (logit_normalisation=l2) reads the client's stored head, which a newcomer "
+                    "never trained; set pfedcs.logit_normalisation=none")
+        return None
+
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """The paper's classifier: the client's head, then the normalisation (same argmax as the
         head alone; the evaluation loss is that of the normalised probabilities)."""

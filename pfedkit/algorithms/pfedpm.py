@@ -394,6 +394,12 @@ class PFedPM(Algorithm):
         """The client's own model; pFedPM predicts with its decision head (spec §2.5)."""
         return client["params"]
 
+    def new_client_refusal(self) -> str:
+        """pFedPM and FedProto: models are private and only class features travel; a newcomer has
+        an untrained body whose features the shared ones do not describe."""
+        return ("models are private and only class features travel; a newcomer's untrained body does not "
+                "produce the feature space those features describe")
+
     # -- report --------------------------------------------------------------------------------
 
     @staticmethod

@@ -33,6 +33,14 @@ class DatasetInfo:
     num_samples: int
     embedded: bool
     description: str
+    writers: bool = False                  # the file has `writer` ids (partition.scheme=natural)
+    source: str | None = None              # a class subset of this dataset's file ...
+    classes: tuple[int, ...] | None = None  # ... keeping these labels, relabelled 0..len-1 in this order
+
+    @property
+    def file_name(self) -> str:
+        """The dataset whose `<name>/<name>.npz.xz` holds the rows (`pfedkit data fetch` it)."""
+        return self.source or self.name
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -45,6 +53,25 @@ DATASETS: dict[str, DatasetInfo] = {
                            "CIFAR-10 32x32 colour (shared copy: 59,897 of 60,000 images; fetched: all)"),
     "cifar100": DatasetInfo("cifar100", 100, (3, 32, 32), 60000, False,
                             "CIFAR-100 32x32 colour, 100 fine classes (pfedkit data fetch cifar100)"),
+    # DA-PFL's CIFAR-100: "the first 20 classes" (fine labels 0-19, 500 train + 100 test images each)
+    "cifar100_first20": DatasetInfo("cifar100_first20", 20, (3, 32, 32), 12000, False,
+                                    "CIFAR-100 fine classes 0-19 only, relabelled 0-19 (DA-PFL; file: cifar100)",
+                                    source="cifar100", classes=tuple(range(20))),
+    # No official test split: every row is training data; split per client (test_split per_client).
+    "femnist": DatasetInfo("femnist", 62, (1, 28, 28), 814277, False,
+                           "FEMNIST 28x28 grayscale, 62 classes (0-9, A-Z, a-z), writer ids kept, no official "
+                           "test split (pfedkit data fetch femnist)", writers=True),
+    # DA-PFL's FEMNIST: "10 lowercase letters"; which ten is not stated: a-j (labels 36-45) [ours]
+    "femnist_lower10": DatasetInfo("femnist_lower10", 10, (1, 28, 28), 814277, False,
+                                   "FEMNIST lowercase letters a-j only, relabelled 0-9 (DA-PFL; file: femnist; "
+                                   "sample count: the full set's, an upper bound)",
+                                   writers=True, source="femnist", classes=tuple(range(36, 46))),
+    "tiny_imagenet": DatasetInfo("tiny_imagenet", 200, (3, 64, 64), 110000, False,
+                                 "Tiny-ImageNet 64x64 colour, 200 classes; the official val split is the test "
+                                 "split (pfedkit data fetch tiny_imagenet)"),
+    # Text: token ids (N, 200), tokenised once by `pfedkit data fetch ag_news` (pfedkit/data/text.py)
+    "ag_news": DatasetInfo("ag_news", 4, (200,), 127600, False,
+                           "AG News text, 4 classes, 200 token ids per row (cwFedAvg; pfedkit data fetch ag_news)"),
 }
 
 
@@ -58,6 +85,8 @@ class Dataset:
     y: np.ndarray          # int64 (N,)
     official_test: np.ndarray  # bool (N,): True for the official test split
     num_classes: int
+    writer: np.ndarray | None = None        # int32 (N,): each row's writer, an index into writer_names
+    writer_names: np.ndarray | None = None  # str (W,): the source's writer ids (FEMNIST: "f0000_14")
 
     def rows(self, index) -> np.ndarray:
         """float32 rows `index`, (n, C, H, W) or (n, D), normalised to [-1, 1] (the same values,
@@ -87,21 +116,60 @@ def resolve_data_dir(data_dir: str | None) -> Path | None:
     return Path(chosen).expanduser() if chosen else None
 
 
-def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None = None) -> Dataset:
+def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None = None,
+                 options=None) -> Dataset:
+    """`options`: the config's `data` section (columns of `hf:` datasets; see data/hf.py)."""
+    if name.startswith("hf:"):  # a Hugging Face dataset, converted once (pfedkit/data/hf.py)
+        from pfedkit.data.hf import load_hf_dataset
+
+        return load_hf_dataset(name, options, cache_dir)
     info = dataset_info(name)
     if info.embedded:
         return _load_digits()
+    if name == "ag_news":  # token ids, not images (pfedkit/data/text.py)
+        from pfedkit.data.text import load_text_dataset
+
+        return load_text_dataset(name, data_dir, cache_dir)
     root = resolve_data_dir(data_dir)
     if root is None:
+        file = info.file_name
         raise DataError(f"dataset {name!r} needs a data directory: set data_dir=PATH or the "
-                        f"PFEDKIT_DATA environment variable to a folder holding {name}/{name}.npz.xz "
-                        f"(get it with `pfedkit data fetch {name} --data-dir DIR`)")
+                        f"PFEDKIT_DATA environment variable to a folder holding {file}/{file}.npz.xz "
+                        f"(get it with `pfedkit data fetch {file} --data-dir DIR`)")
     key = (name, str(root.resolve()), str(_cache_root(cache_dir)))
     if key not in _LOADED:  # runs of a comparison in one process decode and normalise once
-        x, y, test = _read_npz(root, name, _cache_root(cache_dir))
+        arrays = _read_npz(root, info.file_name, _cache_root(cache_dir))
         _LOADED.clear()  # one dataset held at a time
-        _LOADED[key] = Dataset(name, x, y.astype(np.int64), test.astype(bool), info.num_classes)
+        _LOADED[key] = _class_subset(_as_dataset(info.file_name, arrays), info)
     return _LOADED[key]
+
+
+def data_present(name: str, data_dir: str | None = None) -> bool:
+    """Whether `name`'s file is in the data directory (embedded sets always are); nothing is read."""
+    info = dataset_info(name)
+    if info.embedded:
+        return True
+    root = resolve_data_dir(data_dir)
+    return root is not None and (root / info.file_name / f"{info.file_name}.npz.xz").is_file()
+
+
+def _as_dataset(name: str, arrays: dict[str, np.ndarray]) -> Dataset:
+    writer = arrays.get("writer")
+    return Dataset(name, arrays["x"], arrays["y"].astype(np.int64), arrays["test"].astype(bool),
+                   DATASETS[name].num_classes, None if writer is None else writer.astype(np.int32),
+                   arrays.get("writer_names"))
+
+
+def _class_subset(full: Dataset, info: DatasetInfo) -> Dataset:
+    """`full` itself, or (info.classes) its rows of those classes, relabelled 0..k-1 in that order;
+    writer ids keep pointing into the full set's writer_names."""
+    if info.classes is None:
+        return full
+    relabel = np.full(full.num_classes, -1, dtype=np.int64)
+    relabel[list(info.classes)] = np.arange(len(info.classes))
+    keep = np.flatnonzero(relabel[full.y] >= 0)
+    return Dataset(info.name, full.stored[keep], relabel[full.y[keep]], full.official_test[keep],
+                   info.num_classes, None if full.writer is None else full.writer[keep], full.writer_names)
 
 
 _LOADED: dict[tuple[str, str, str], Dataset] = {}  # callers must not modify a Dataset's arrays
@@ -140,8 +208,9 @@ def _cache_root(cache_dir: str | None) -> Path:
     return Path(chosen) if chosen else Path.home() / ".cache" / "pfedkit"
 
 
-def _read_npz(root: Path, name: str, cache_root: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The x, y, test arrays of `root/name/name.npz.xz`, checked (`_check_arrays`); decoded once
+def _read_npz(root: Path, name: str, cache_root: Path) -> dict[str, np.ndarray]:
+    """The arrays of `root/name/name.npz.xz` (x, y, test; writer, writer_names where the dataset
+    has writers), checked (`_check_npz`); decoded once
     into the cache. Nothing is cached until the decoded file has been checked, and a cached file
     that no longer reads is decoded again, so a bad file never sticks in the cache."""
     source = (root / name / f"{name}.npz.xz").resolve()
@@ -153,11 +222,11 @@ def _read_npz(root: Path, name: str, cache_root: Path) -> tuple[np.ndarray, np.n
     cached = cache_root.absolute() / f"{name}-{expected or f'{stat.st_size}-{int(stat.st_mtime)}'}.npz"
     if cached.is_file():
         try:
-            return _check_arrays(_load_arrays(cached, source), name, source)
+            return _check_npz(_load_npz(cached, source), name, source)
         except DataError:
             cached.unlink(missing_ok=True)  # damaged or stale: decode the source again below
     payload = _decode(source, expected)
-    arrays = _check_arrays(_load_arrays(io.BytesIO(payload), source), name, source)
+    arrays = _check_npz(_load_npz(io.BytesIO(payload), source), name, source)
     try:
         atomic_write_bytes(cached, payload)
     except OSError as err:
@@ -181,8 +250,18 @@ def _decode(source: Path, expected: str | None) -> bytes:
         raise DataError(f"corrupt dataset file {source}: xz decoding failed ({err}); copy it again") from None
 
 
+WRITER_ARRAYS = ("writer", "writer_names")  # optional: each row's writer index, the writers' ids
+
+
 def _load_arrays(file: Path | io.BytesIO, source: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x, y, test from an .npz (a path or bytes); DataError naming `source` for anything else."""
+    arrays = _load_npz(file, source)
+    return arrays["x"], arrays["y"], arrays["test"]
+
+
+def _load_npz(file: Path | io.BytesIO, source: Path) -> dict[str, np.ndarray]:
+    """x, y, test (and writer, writer_names when stored) from an .npz (a path or bytes); DataError
+    naming `source` for anything else. allow_pickle=False: writer ids are a fixed-width str array."""
     try:
         loaded = np.load(file, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):  # a lone .npy array
@@ -191,7 +270,7 @@ def _load_arrays(file: Path | io.BytesIO, source: Path) -> tuple[np.ndarray, np.
             missing = {"x", "y", "test"} - set(arrays.files)
             if missing:
                 raise DataError(f"dataset file {source} lacks arrays {sorted(missing)}; expected x, y, test")
-            return arrays["x"], arrays["y"], arrays["test"]
+            return {key: arrays[key] for key in ("x", "y", "test", *WRITER_ARRAYS) if key in arrays.files}
     except DataError:
         raise
     except (ValueError, OSError, EOFError, zipfile.BadZipFile):
@@ -219,6 +298,30 @@ def _check_arrays(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], name: str,
     if x.dtype != np.uint8 or shape != info.input_shape:
         raise DataError(f"dataset file {source}: images of shape {tuple(x.shape[1:])} and dtype {x.dtype}; "
                         f"expected uint8 images giving inputs of shape {info.input_shape}")
+    return arrays
+
+
+def _check_npz(arrays: dict[str, np.ndarray], name: str, source: Path) -> dict[str, np.ndarray]:
+    """`_check_arrays`, plus the writer arrays: present exactly when the dataset has writers, one
+    writer per row, indices into writer_names, and every listed writer owning a row."""
+    _check_arrays((arrays["x"], arrays["y"], arrays["test"]), name, source)
+    present = [key for key in WRITER_ARRAYS if key in arrays]
+    if DATASETS[name].writers and len(present) < len(WRITER_ARRAYS):
+        raise DataError(f"dataset file {source}: {name} needs arrays writer and writer_names (one writer per "
+                        f"image); get the file again with `pfedkit data fetch {name}`")
+    if present and len(present) < len(WRITER_ARRAYS):
+        raise DataError(f"dataset file {source}: has {present[0]} without "
+                        f"{[k for k in WRITER_ARRAYS if k not in present][0]}; expected both or neither")
+    if present:
+        writer, names = arrays["writer"], arrays["writer_names"]
+        if writer.shape != arrays["y"].shape or not np.issubdtype(writer.dtype, np.integer) \
+                or names.ndim != 1 or names.dtype.kind != "U":
+            raise DataError(f"dataset file {source}: writer must be one integer per image and writer_names a "
+                            f"1-D str array (got writer {writer.shape} {writer.dtype}, writer_names {names.shape} "
+                            f"{names.dtype})")
+        if len(writer) and (writer.min() < 0 or writer.max() >= len(names)):
+            raise DataError(f"dataset file {source}: writer indices run from {writer.min()} to {writer.max()} "
+                            f"but {len(names)} writer names are stored")
     return arrays
 
 

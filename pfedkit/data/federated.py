@@ -16,6 +16,7 @@ import torch
 from pfedkit.algorithms.base import ClientData
 from pfedkit.config import Config
 from pfedkit.data.datasets import Dataset
+from pfedkit.data.validation import with_validation
 from pfedkit.data.partition import (class_counts, partition, split_train_test, stratified_subset,
                                     test_from_official)
 
@@ -56,21 +57,31 @@ def split_indices(config: Config, dataset: Dataset) -> tuple[list[np.ndarray], l
     if mode == "per_client":
         pool = np.arange(len(y))
         pool = stratified_subset(pool, y[pool], part.pool_fraction, config.seed)
-        shares = partition(y[pool], part.scheme, config.num_clients, config.seed, **params)
+        shares = partition(y[pool], part.scheme, config.num_clients, config.seed, _writers(dataset, pool), **params)
         pairs = [split_train_test(pool[s], y, part.train_ratio, config.seed, cid, part.stratified)
                  for cid, s in enumerate(shares)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
     train_pool = np.flatnonzero(~dataset.official_test)
     train_pool = stratified_subset(train_pool, y[train_pool], part.pool_fraction, config.seed)
     test_pool = np.flatnonzero(dataset.official_test)
-    shares = partition(y[train_pool], part.scheme, config.num_clients, config.seed, **params)
+    shares = partition(y[train_pool], part.scheme, config.num_clients, config.seed, _writers(dataset, train_pool),
+                       **params)
     extra = {"fraction": part.test_fraction} if mode == "official_fraction" else {"shots": part.test_shots}
     tests = test_from_official(shares, y[train_pool], y[test_pool], config.seed, **extra)
     return [train_pool[s] for s in shares], [test_pool[t] for t in tests]
 
 
+def _writers(dataset: Dataset, rows: np.ndarray) -> np.ndarray | None:
+    """The writer of each of `rows` (scheme natural), or None for a dataset without writers."""
+    return None if dataset.writer is None else dataset.writer[rows]
+
+
 def build_federated(config: Config, dataset: Dataset, channels_last: bool = False) -> FederatedData:
     train_index, test_index = split_indices(config, dataset)
+    # validation_fraction > 0 (pfedkit tune): evaluate on a validation split carved from training;
+    # the test rows are dropped before any are gathered (pfedkit.data.validation)
+    train_index, test_index = with_validation(config.validation_fraction, config.seed, dataset.y,
+                                              train_index, test_index)
     return assemble(dataset, train_index, test_index, channels_last)
 
 

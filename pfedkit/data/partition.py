@@ -125,9 +125,10 @@ class _Pool:
     labels: np.ndarray
     classes: np.ndarray  # distinct labels, ascending
     by_class: tuple[np.ndarray, ...]  # by_class[k]: ascending positions of class k
+    writers: np.ndarray | None = None  # each sample's writer id (FEMNIST), for the natural scheme
 
     @classmethod
-    def of(cls, labels) -> _Pool:
+    def of(cls, labels, writers=None) -> _Pool:
         labels = np.asarray(labels)
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
             raise PartitionError(
@@ -141,7 +142,12 @@ class _Pool:
         classes, inverse = np.unique(labels, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         by_class = np.split(order, np.cumsum(np.bincount(inverse, minlength=len(classes)))[:-1])
-        return cls(labels, classes, tuple(members.astype(np.int64) for members in by_class))
+        if writers is not None:
+            writers = np.asarray(writers)
+            if writers.shape != labels.shape:
+                raise PartitionError(f"writers must give one writer id per label (got shape {writers.shape} "
+                                     f"for {labels.shape} labels).")
+        return cls(labels, classes, tuple(members.astype(np.int64) for members in by_class), writers)
 
     @property
     def size(self) -> int:
@@ -406,6 +412,24 @@ def _nway_kshot(pool: _Pool, num_clients: int, rng, *, n: int = 3, k: int = 100,
     return parts
 
 
+def _natural(pool: _Pool, num_clients: int, rng):
+    """One client per writer (LEAF's natural FEMNIST split): client i holds every sample of the
+    i-th writer. With fewer clients than writers, ``num_clients`` writers drawn uniformly without
+    replacement, clients in ascending writer order [ours]; all writers: no draw."""
+    if pool.writers is None:
+        raise PartitionError("partition scheme 'natural' needs writer ids, and this dataset has none; "
+                             "use a dataset with writers (femnist, femnist_lower10) or another scheme.")
+    writers, inverse = np.unique(pool.writers, return_inverse=True)
+    if num_clients > len(writers):
+        raise PartitionError(f"natural: num_clients={num_clients} but the pool has {len(writers)} writers; "
+                             f"allowed num_clients: 1..{len(writers)} ({len(writers)} = one client per writer).")
+    chosen = np.arange(len(writers)) if num_clients == len(writers) else \
+        np.sort(rng.choice(len(writers), size=num_clients, replace=False))
+    order = np.argsort(inverse, kind="stable")
+    by_writer = np.split(order, np.cumsum(np.bincount(inverse, minlength=len(writers)))[:-1])
+    return [by_writer[w] for w in chosen]
+
+
 _SCHEMES = {
     "iid": _iid,
     "dirichlet": _dirichlet,
@@ -414,6 +438,7 @@ _SCHEMES = {
     "shards": _shards,
     "group_dominant": _group_dominant,
     "nway_kshot": _nway_kshot,
+    "natural": _natural,
 }
 SCHEMES: tuple[str, ...] = tuple(_SCHEMES)
 
@@ -445,19 +470,20 @@ def _check_scheme_params(scheme: str, params: dict) -> None:
 
 
 def partition(labels: np.ndarray, scheme: str, num_clients: int, seed: int,
-              **params) -> list[np.ndarray]:
+              writers: np.ndarray | None = None, **params) -> list[np.ndarray]:
     """Disjoint index arrays (int64, sorted ascending) into `labels`, one per client (§1.1-§1.7).
 
     ``params`` are the scheme's keyword parameters (see ``_<scheme>`` in this module):
     iid(samples_per_client=None), dirichlet(alpha, least=None, max_tries=1000),
     dirichlet_client(alpha, samples_per_client=None), pathological(classes_per_client,
     balanced=False), shards(shards_per_client=2), group_dominant(s=0.2, samples_per_client=600),
-    nway_kshot(n=3, k=100, n_noise=1, k_noise=1).
+    nway_kshot(n=3, k=100, n_noise=1, k_noise=1), natural() (needs ``writers``: each sample's
+    writer id; other schemes ignore it).
     """
     if scheme not in _SCHEMES:
         raise PartitionError(f"unknown partition scheme {scheme!r}; "
                              f"choose one of: {', '.join(SCHEMES)}.")
-    pool = _Pool.of(labels)
+    pool = _Pool.of(labels, writers)
     num_clients = _check_int(
         "num_clients", num_clients, low=1, high=pool.size,
         fix=f"Every client needs at least one of the pool's {pool.size} samples.",

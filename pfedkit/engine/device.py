@@ -1,12 +1,25 @@
 """Which device a run trains and evaluates on (`device` config key), and moving things there.
 
-`device` is `cpu`, `cuda`, `cuda:N` or `auto`. `auto` picks the first CUDA device for the
-sequential and vectorized backends when torch sees one, else the CPU. The processes and ray
-backends train on CPUs (`auto` gives them the CPU; `cuda` is refused with a one-line message):
-their workers are forked, and a process forked after CUDA was used cannot use it (a test of
-forked GPU workers hung on an H100; spawned workers would need the data shipped to each).
+`device` is `cpu`, `cuda`, `cuda:N` or `auto` (a GPU when torch sees one, else the CPU). Where
+things live, per backend:
 
-What lives where on a GPU (sequential and vectorized alike):
+  * sequential, vectorized: one process on one GPU (`cuda` and `auto` mean cuda:0).
+  * processes: on a GPU the workers are *spawned*, not forked (a process forked after CUDA was
+    used cannot use it: a test of forked GPU workers hung on an H100). `cuda` and `auto` spread
+    the workers over every GPU, one worker per GPU by default (`workers=N` may ask more; worker i
+    uses cuda:(i mod GPUs), `worker_devices`); `cuda:N` pins every worker to GPU N. The model
+    builder and the federation's data are shipped to each worker once, at its start; each
+    worker keeps its clients' tensors on its GPU. On the CPU the workers are forked (they
+    inherit the data).
+  * ray: each actor asks Ray for `ray.gpus_per_worker` GPUs (default 1 on a GPU run; 0.5 puts
+    two actors on a GPU) and trains on the one Ray gives it (Ray sets CUDA_VISIBLE_DEVICES, so
+    it is cuda:0 in the actor's view). `cuda:N` is refused: Ray, not the run, places actors.
+  * Flower nodes: each node resolves `device` on its own machine (`auto`: its GPU if it has one).
+
+A resolved `torch.device("cuda")` without an index (processes, ray) means "the GPUs the workers
+are given"; with an index, that GPU.
+
+What lives where on a GPU (every backend alike):
   * each client's training and test tensors are copied to the device once, on first use, and
     kept there for the run (data are small next to what the device holds);
   * client states, server state and every message stay on the host (or on disk): a client's
@@ -17,7 +30,7 @@ What lives where on a GPU (sequential and vectorized alike):
 Numerics on a GPU: fp32 means fp32 (TF32 is switched off for matmuls and convolutions, whose
 cuDNN default is TF32), and cuDNN is asked for deterministic kernels, so a GPU run repeats
 itself bit for bit; it does not equal a CPU run bit for bit (other kernels), only within float
-rounding.
+rounding. Every worker (spawned process, Ray actor) sets the same switches on its own device.
 """
 from __future__ import annotations
 
@@ -31,35 +44,58 @@ from torch.utils._pytree import tree_map
 from pfedkit.config import ConfigError
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-GPU_BACKENDS = ("sequential", "vectorized")
+# Backends whose `cuda` means "the GPUs the workers are given" (no index) rather than cuda:0.
+SPREAD_BACKENDS = ("processes", "ray")
 
 
 def resolve_device(spec: str, backend: str) -> torch.device:
-    """The torch device of `spec` for `backend`; ConfigError (one line) when it cannot be used."""
+    """The torch device of `spec` for `backend`; ConfigError (one line) when it cannot be used.
+
+    processes and ray: `cuda` / `auto` on a GPU give `torch.device("cuda")` (no index: the
+    workers' GPUs, see the module doc); processes with `cuda:N`: that GPU for every worker."""
     if not DEVICE_PATTERN.match(spec):
         raise ConfigError(f"device: {spec!r} is not a device; use cpu, cuda, cuda:N or auto")
-    if spec == "cpu" or (spec == "auto" and (backend not in GPU_BACKENDS or not cuda_available())):
+    if spec == "cpu" or (spec == "auto" and not cuda_available()):
         return torch.device("cpu")
     device = torch.device("cuda" if spec == "auto" else spec)
-    if backend not in GPU_BACKENDS:
-        raise ConfigError(f"device={spec}: backend={backend} trains in CPU worker processes; on a GPU use "
-                          "backend=sequential or backend=vectorized, or set device=cpu")
+    if backend == "ray" and device.index is not None:
+        raise ConfigError(f"device={spec}: backend=ray places each actor on the GPU Ray gives it; use device=cuda "
+                          "(and ray.gpus_per_worker to share a GPU), or backend=processes to pin a GPU")
     if not cuda_available():
         raise ConfigError(f"device={spec}: torch sees no CUDA device here (torch {torch.__version__}, CUDA build: "
                           f"{torch.version.cuda or 'no'}); use device=cpu or device=auto")
+    count = torch.cuda.device_count()
     index = 0 if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"device={spec}: there are {torch.cuda.device_count()} CUDA device(s) (cuda:0 .. "
-                          f"cuda:{torch.cuda.device_count() - 1})")
-    device = torch.device("cuda", index)
+    if index >= count:
+        raise ConfigError(f"device={spec}: there are {count} CUDA device(s) (cuda:0 .. cuda:{count - 1})")
+    if backend in SPREAD_BACKENDS and device.index is None:
+        device = torch.device("cuda")
+    else:
+        device = torch.device("cuda", index)
     make_deterministic(device)
     return device
 
 
+def worker_devices(device: torch.device, workers: int | None, device_count: int,
+                   cpu_workers: int = 1) -> list[torch.device]:
+    """The device of each worker of a parallel backend, in worker order.
+
+    CPU: `workers` (default `cpu_workers`) CPU workers. `cuda` without an index: one worker per
+    GPU by default, worker i on cuda:(i mod device_count). `cuda:N`: every worker on GPU N (one
+    by default)."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * (workers or cpu_workers)
+    if device.index is not None:
+        return [torch.device("cuda", device.index)] * (workers or 1)
+    if device_count < 1:
+        raise ConfigError(f"device={device}: torch sees no CUDA device here; use device=cpu")
+    return [torch.device("cuda", i % device_count) for i in range(workers or device_count)]
+
+
 def cuda_available() -> bool:
     """Whether torch sees a GPU, asked through NVML (torch.cuda.device_count) rather than the CUDA
-    runtime: nothing initialises CUDA in this process, so the processes backend can still fork
-    workers that use it."""
+    runtime: asking initialises nothing in this process (a CPU run of the processes backend
+    still forks its workers after it)."""
     return torch.cuda.device_count() > 0
 
 
@@ -75,7 +111,11 @@ def make_deterministic(device: torch.device) -> None:
 
 
 def describe_device(device: torch.device) -> str:
-    """`cuda:0 (NVIDIA H100 80GB HBM3)`, or `cpu (AVX2)`: what a summary records."""
+    """`cuda:0 (NVIDIA H100 80GB HBM3)`, `cuda (2 x NVIDIA H100 80GB HBM3)` (the workers' GPUs,
+    as this machine sees them), or `cpu (AVX2)`: what a summary records."""
+    if device.type == "cuda" and device.index is None:
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"cuda ({len(names)} x {' / '.join(sorted(set(names)))})" if names else "cuda"
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({torch.backends.cpu.get_cpu_capability()})"

@@ -13,6 +13,17 @@ Jobs and results travel through `pfedkit.engine.transport` (`Channels`): the ten
 jobs carry (the broadcast model) are written once per wave into a shared arena mapped by every
 worker, a job's own tensors go through an inbox slot ring and results through an outbox ring;
 only references go through the pool's pipes. Results stream back as they are done (`fit_stream`).
+
+On a GPU (`device` cuda) the workers are *spawned* (`start_method`): a process forked after CUDA
+was used in its parent cannot use CUDA, and a test of forked GPU workers hung on an H100. A
+spawned worker shares nothing with this process, so at its start it receives, once, the model
+builder (cloudpickled: it is a closure) and the federation's data (raw tensor bytes), builds a
+`DeviceWorker` (a `SequentialRuntime` on its GPU: `make_deterministic`, clients' tensors kept on
+the GPU after first use) and takes its device from `worker_devices` in the order workers start.
+Jobs and results then travel pickled through the pool's pipes (`PipeChannels`): the shared
+mappings and locks of `Channels` are inherited through fork only, and on a GPU a client's
+training takes far longer than a few ms of pipe. Results are the same as with forked workers on
+the same device (the spawned path runs on the CPU too; tests compare it with the forked one).
 """
 from __future__ import annotations
 
@@ -28,13 +39,15 @@ from torch import nn
 from pfedkit.algorithms.base import message_bytes
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine import transport
-from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order,
-                                    handed_out, split_custom_predict, thread_count)
+from pfedkit.engine.allocator import retain_freed_memory
+from pfedkit.engine.device import make_deterministic, worker_devices
+from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, SequentialRuntime,
+                                    dispatch_order, handed_out, split_custom_predict, thread_count)
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
 
-# The worker process's ClientWorker and channels, set once by `_init_worker` (inherited through
-# fork, not pickled).
+# The worker process's worker and channels, set once by `_init_worker` (inherited through fork,
+# not pickled) or `_init_spawned_worker`.
 _WORKER: dict[str, object] = {}
 
 
@@ -53,6 +66,10 @@ class Channels:
 
     def close(self) -> None:
         transport.unregister(self.wave, self.inbox, self.outbox)
+
+    def publish(self, tensors: list[torch.Tensor]) -> dict:
+        """(main) write a wave's shared tensors into the arena; their references."""
+        return self.wave.publish(tensors)
 
     def job(self, item, wave_refs: dict, own: list[torch.Tensor]) -> bytes:
         """(main) `item` pickled, with `own` tensors (those not in the wave) in an inbox slot."""
@@ -83,17 +100,98 @@ class Channels:
         return result
 
 
+class PipeChannels:
+    """Spawned workers' channels: each job and result pickled whole through the pool's pipes
+    (tensors as raw bytes, layouts kept, so results are bit-identical to `Channels`)."""
+    abandoned = False
+
+    def publish(self, tensors: list[torch.Tensor]) -> dict:
+        return {}
+
+    def job(self, item, wave_refs: dict, own: list[torch.Tensor]) -> bytes:
+        return transport.dumps(item)
+
+    def serve(self, payload: bytes, handle) -> bytes:
+        return transport.dumps(handle(transport.loads(payload)))
+
+    def result(self, payload: bytes):
+        return transport.loads(payload)
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceWorker:
+    """A worker that trains on `device` (a spawned process, a Ray actor on a GPU): a
+    `SequentialRuntime` there, answering one job at a time, with `threads` torch threads."""
+
+    def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData, threads: int,
+                 builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
+                 model_keys: Sequence[Hashable] | None = None, device: torch.device = torch.device("cpu")) -> None:
+        torch.set_num_threads(threads)
+        retain_freed_memory()  # a process of its own
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            make_deterministic(device)  # this process's switches (the parent's are not inherited)
+        self.device = device
+        self.runtime = SequentialRuntime(build, settings, data, threads=threads, builds=builds,
+                                         model_keys=model_keys, device=device)
+
+    def fit(self, job: FitJob) -> tuple[int, FitOutcome]:
+        return next(self.runtime.fit_stream([job]))
+
+    def evaluate(self, item: EvalItem) -> tuple[int, ClientEval]:
+        return item[0], self.runtime.evaluate_many([item])[item[0]]
+
+
 def _init_worker(channels: Channels, *args) -> None:
     _WORKER["channels"] = channels
     _WORKER["worker"] = ClientWorker(*args)
 
 
+def pack_builders(build, builds, model_keys) -> bytes:
+    """The model builders for spawned workers: cloudpickled (the run's builder is a closure)."""
+    try:
+        import cloudpickle as pickler
+    except ImportError:  # plain pickle: enough for builders defined at module level
+        import pickle as pickler
+    try:
+        return pickler.dumps((build, builds, model_keys))
+    except Exception as err:  # noqa: BLE001 - pickle raises several types for unpicklable objects
+        raise RuntimeError(f"processes backend on a GPU: the model builder cannot be sent to spawned workers "
+                           f"({type(err).__name__}: {err}); pip install cloudpickle") from None
+
+
+def _init_spawned_worker(started, devices: list[str], builders: bytes, settings: TrainSettings, data: bytes,
+                         threads: int) -> None:
+    """(spawned worker) take the next worker number's device, unpack builders and data once."""
+    import pickle
+
+    with started.get_lock():
+        number = started.value
+        started.value += 1
+    _WORKER["channels"] = PipeChannels()
+    try:
+        build, builds, model_keys = pickle.loads(builders)  # cloudpickle's output loads with pickle
+        _WORKER["worker"] = DeviceWorker(build, settings, transport.loads(data), threads, builds, model_keys,
+                                         torch.device(devices[number % len(devices)]))
+    except Exception as err:  # noqa: BLE001 - a pool restarts a worker whose initializer raises, forever:
+        # keep the error and raise it with the first job instead, so the run stops with it
+        _WORKER["error"] = f"a spawned worker could not start: {type(err).__name__}: {err}"
+
+
+def _worker():
+    if "error" in _WORKER:
+        raise RuntimeError(_WORKER["error"])
+    return _WORKER["worker"]
+
+
 def _fit(payload: bytes) -> bytes:
-    return _WORKER["channels"].serve(payload, _WORKER["worker"].fit)
+    return _WORKER["channels"].serve(payload, _worker().fit)
 
 
 def _evaluate(payload: bytes) -> bytes:
-    return _WORKER["channels"].serve(payload, _WORKER["worker"].evaluate)
+    return _WORKER["channels"].serve(payload, _worker().evaluate)
 
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's omp_pause_soft (OpenMP 5.0)
@@ -134,20 +232,42 @@ class ProcessRuntime:
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  workers: int | None = None, threads: int | None = None,
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
-                 model_keys: Sequence[Hashable] | None = None) -> None:
-        if "fork" not in mp.get_all_start_methods():
-            raise RuntimeError("the processes backend needs the 'fork' start method (Linux); use backend=sequential")
+                 model_keys: Sequence[Hashable] | None = None, device: torch.device = torch.device("cpu"),
+                 start_method: str | None = None) -> None:
+        """`device`: cpu, cuda:N (every worker there) or cuda (workers spread over the GPUs).
+        `start_method` (internal; default: spawn on a GPU, fork on the CPU) lets a CPU test run
+        the spawned path."""
+        self.start_method = start_method or ("spawn" if device.type == "cuda" else "fork")
+        if self.start_method not in ("fork", "spawn"):
+            raise ValueError(f"start_method: {self.start_method!r}; use fork or spawn")
+        if self.start_method == "fork" and device.type == "cuda":
+            raise ValueError("processes backend: CUDA workers must be spawned (a forked process cannot use CUDA)")
+        if self.start_method not in mp.get_all_start_methods():
+            raise RuntimeError(f"the processes backend needs the {self.start_method!r} start method; "
+                               "use backend=sequential")
         self.data = data
-        self.workers = workers or default_workers()
+        self.device = device
+        self.devices = worker_devices(device, workers, torch.cuda.device_count() if device.type == "cuda" else 0,
+                                      cpu_workers=default_workers())
+        self.workers = len(self.devices)
         self.threads = threads or 1  # each worker's; the round loop runs this process's work with it too
-        largest = max(model_bytes(b) for b in [build, *(builds or {}).values()])
-        self.channels = Channels(largest, self.workers)
-        if not release_openmp_threads() and self.threads > 1:
-            warnings.warn("processes backend: this OpenMP runtime cannot release its threads before the fork; "
-                          f"workers with threads={self.threads} may hang (use threads=1)", RuntimeWarning, stacklevel=2)
-        self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_worker,
-                                                initargs=(self.channels, build, settings, data, self.threads, builds,
-                                                          model_keys))
+        if self.start_method == "spawn":
+            self.channels = PipeChannels()
+            context = mp.get_context("spawn")
+            self.pool = context.Pool(self.workers, initializer=_init_spawned_worker,
+                                     initargs=(context.Value("i", 0), [str(d) for d in self.devices],
+                                               pack_builders(build, builds, model_keys), settings,
+                                               transport.dumps(data), self.threads))
+        else:
+            largest = max(model_bytes(b) for b in [build, *(builds or {}).values()])
+            self.channels = Channels(largest, self.workers)
+            if not release_openmp_threads() and self.threads > 1:
+                warnings.warn("processes backend: this OpenMP runtime cannot release its threads before the fork; "
+                              f"workers with threads={self.threads} may hang (use threads=1)", RuntimeWarning,
+                              stacklevel=2)
+            self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_worker,
+                                                    initargs=(self.channels, build, settings, data, self.threads,
+                                                              builds, model_keys))
         self.broken = False  # a stream was abandoned: workers may wait on slots forever
         # Custom-predict evaluations (closures over algorithm state) stay in this process.
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
@@ -172,7 +292,7 @@ class ProcessRuntime:
         items lazily: the pool's feeder thread writes each one's own tensors into an inbox slot
         when one is free, so a client's model is copied only when a worker is about to take it."""
         channels = self.channels
-        wave = channels.wave.publish(transport.shared_tensors(carried(item) for item in items))
+        wave = channels.publish(transport.shared_tensors(carried(item) for item in items))
         payloads = (channels.job(item, wave, [t for t in transport.tensors_in(carried(item)) if id(t) not in wave])
                     for item in handed_out(items))
         finished = False

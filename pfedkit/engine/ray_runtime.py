@@ -7,20 +7,29 @@ in `dispatch_order` and an idle actor takes the next one. Every job carries its 
 results are identical to `processes` (and to `sequential` with the same thread count), whatever
 the number of actors or machines.
 
+On a GPU run (`device` cuda) each actor asks Ray for `ray.gpus_per_worker` GPUs (default 1;
+0.5 puts two actors on a GPU) besides its CPU, and trains there as a `DeviceWorker`: Ray sets the
+actor's CUDA_VISIBLE_DEVICES to the GPU it gives it, which the actor sees as cuda:0. `workers`
+defaults to as many actors as the cluster's GPUs hold (`actor_plan`); asking for more GPUs than
+the cluster has is refused (Ray would wait for them forever). The driver's own `device` check
+(`resolve_device`) needs torch to see a GPU on the driver's machine too.
+
 `ray.address` joins an existing cluster (`ray start --head` on one machine, `ray start
 --address=HEAD:6379` on the others); pfedkit must be installed on every machine. None starts a
 local Ray for the run and stops it after.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.processes import default_workers
+from pfedkit.engine.processes import DeviceWorker, default_workers
 from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order, handed_out,
                                     split_custom_predict)
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
@@ -36,26 +45,73 @@ def import_ray():
     return ray
 
 
+def gpus_per_actor(device: torch.device, gpus_per_worker: float | None) -> float:
+    """The `num_gpus` each actor asks for: 0 on the CPU whatever the config says, else
+    `ray.gpus_per_worker` (default 1); ConfigError (one line) for a share Ray cannot give."""
+    if device.type != "cuda":
+        return 0.0
+    gpus = 1.0 if gpus_per_worker is None else float(gpus_per_worker)
+    if gpus <= 0:
+        raise ConfigError(f"ray.gpus_per_worker={gpus_per_worker} with device={device}: actors would hold no GPU; "
+                          "give a share (1, or 0.5 for two actors per GPU) or set device=cpu")
+    if gpus > 1 and not gpus.is_integer():
+        raise ConfigError(f"ray.gpus_per_worker={gpus_per_worker}: Ray gives a fraction of one GPU or whole GPUs; "
+                          "use a value up to 1 or a whole number")
+    return gpus
+
+
+def actor_plan(device: torch.device, workers: int | None, gpus_per_worker: float | None,
+               cluster: Mapping[str, float]) -> tuple[int, dict[str, float]]:
+    """(how many actors, the options of each: num_cpus, num_gpus) for `cluster`'s resources
+    (`ray.cluster_resources()`). CPU: `workers`, default the cluster's CPUs. GPU: `workers`,
+    default as many as the cluster's GPUs hold at `gpus_per_worker` each."""
+    gpus = gpus_per_actor(device, gpus_per_worker)
+    options = {"num_cpus": 1, "num_gpus": gpus}
+    if gpus == 0:
+        return workers or max(1, int(cluster.get("CPU", 1))), options
+    have = float(cluster.get("GPU", 0))
+    fits = math.floor(have / gpus + 1e-9)
+    if workers is None and fits < 1:
+        raise ConfigError(f"device={device}: the Ray cluster has {have:g} GPU(s); an actor asks for {gpus:g} "
+                          "(ray.gpus_per_worker); set device=cpu or join a cluster with GPUs (ray.address)")
+    count = workers or fits
+    if count * gpus > have + 1e-9:
+        raise ConfigError(f"workers={count} x ray.gpus_per_worker={gpus:g} asks for {count * gpus:g} GPUs; the Ray "
+                          f"cluster has {have:g} (lower workers, or share GPUs with a smaller ray.gpus_per_worker)")
+    return count, options
+
+
 class RayRuntime:
     name = "ray"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  workers: int | None = None, threads: int | None = None,
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
-                 model_keys: Sequence[Hashable] | None = None, address: str | None = None) -> None:
+                 model_keys: Sequence[Hashable] | None = None, address: str | None = None,
+                 device: torch.device = torch.device("cpu"), gpus_per_worker: float | None = None) -> None:
         ray = import_ray()
         from ray.util import ActorPool
 
-        self.ray, self.data = ray, data
+        gpus_per_actor(device, gpus_per_worker)  # a refused share before Ray starts
+        self.ray, self.data, self.device = ray, data, device
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             ray.init(address=address, num_cpus=None if address else (workers or default_workers()),
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
-        count = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        actor = ray.remote(num_cpus=1)(ClientWorker)
+        try:
+            count, options = actor_plan(device, workers, gpus_per_worker, ray.cluster_resources())
+        except ConfigError:
+            self.close_ray()
+            raise
         shared = ray.put(data)  # once per run: every actor reads the same copy
         self.threads = threads or 1  # each actor's; the round loop runs this process's work with it too
-        self.actors = [actor.remote(build, settings, shared, self.threads, builds, model_keys) for _ in range(count)]
+        if options["num_gpus"]:  # Ray makes the actor's GPU its cuda:0
+            actor = ray.remote(**options)(DeviceWorker)
+            args = (build, settings, shared, self.threads, builds, model_keys, torch.device("cuda", 0))
+        else:
+            actor = ray.remote(**options)(ClientWorker)
+            args = (build, settings, shared, self.threads, builds, model_keys)
+        self.actors = [actor.remote(*args) for _ in range(count)]
         self.pool = ActorPool(self.actors)
         self.local_evaluator = ByArchitecture(build, lambda b: ModelEvaluator(b, data.num_classes), builds, model_keys)
 
@@ -75,5 +131,9 @@ class RayRuntime:
         for actor in self.actors:
             self.ray.kill(actor)
         self.actors = []
+        self.close_ray()
+
+    def close_ray(self) -> None:
         if self.started_ray:
             self.ray.shutdown()
+            self.started_ray = False

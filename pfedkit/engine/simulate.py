@@ -24,16 +24,29 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequen
 
 import numpy as np
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Message, message_bytes
+from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, message_bytes
+from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
 from pfedkit.engine.runtime import compute_threads, resolved_threads
-from pfedkit.engine.seeds import sample_clients
+from pfedkit.engine.seeds import SERVER, numpy_rng, sample_clients
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
 
 
 EVAL_BLOCK = 128  # clients evaluated together (a runtime evaluates a block in parallel)
+NEW_CLIENT_PURPOSE = "new-client"  # seeds of the new clients' choice and of their fine-tuning batches
+
+
+def choose_new_clients(seed: int, num_clients: int, count: int) -> list[int]:
+    """The `count` clients (sorted) that never train (config `new_clients`): drawn once from the
+    run's seed, so the same seed gives the same new clients whatever the backend."""
+    if not 0 <= count < num_clients:
+        raise ValueError(f"new_clients must be in 0..{num_clients - 1}, got {count}")
+    if count == 0:
+        return []
+    chosen = numpy_rng(seed, 0, SERVER, NEW_CLIENT_PURPOSE).choice(num_clients, size=count, replace=False)
+    return sorted(int(c) for c in chosen)
 
 
 @dataclass
@@ -250,6 +263,38 @@ class LocalClients:
         outcomes = self.runtime.fit_many(jobs) if jobs else {}
         return {cid: (outcome.params, outcome.buffers) for cid, outcome in outcomes.items()}
 
+    def evaluate_new(self, rnd: int, cids: list[int], state: SimState, finetune_epochs: int
+                     ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
+        """Clients that never trained (config `new_clients`): each receives `joining_model` (given
+        its fresh state, which nothing ever changed), trains `finetune_epochs` epochs of plain SGD
+        on its training split (a Fit through the runtime, seeded apart from training and
+        adaptation), and is evaluated on its test split. Nothing is written back: the next
+        evaluation starts again from what the client receives then. The algorithm's `adapt` is not
+        applied: `finetune_epochs` is the newcomers' adaptation."""
+        evals, norms = {}, {}
+        for start in range(0, len(cids), EVAL_BLOCK):
+            block_evals, block_norms = self._evaluate_new_block(rnd, cids[start:start + EVAL_BLOCK], state,
+                                                                finetune_epochs)
+            evals.update(block_evals)
+            norms.update(block_norms)
+        return evals, norms
+
+    def _evaluate_new_block(self, rnd: int, cids: list[int], state: SimState, finetune_epochs: int
+                            ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
+        algo, server = self.algorithm, state.server
+        fresh = {cid: state.clients[cid] for cid in cids}
+        models = {cid: (algo.joining_model(cid, server, client, self.client_view(cid, state)), state.buffers[cid])
+                  for cid, client in fresh.items()}
+        if finetune_epochs > 0:
+            jobs = [FitJob(rnd, cid, 0, Fit(params, epochs=finetune_epochs), buffers, None, purpose=NEW_CLIENT_PURPOSE)
+                    for cid, (params, buffers) in models.items()]
+            models = {cid: (outcome.params, outcome.buffers) for cid, outcome in self.runtime.fit_many(jobs).items()}
+        custom = algo.has_custom_predict()
+        items = [(cid, params, buffers, partial(algo.predict, cid, server, fresh[cid]) if custom else None)
+                 for cid, (params, buffers) in models.items()]
+        evals = self.runtime.evaluate_many(items)
+        return evals, {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
+
 
 class Simulation:
     """The round loop over an algorithm; `clients` is the clients' side (default: `LocalClients`
@@ -258,7 +303,7 @@ class Simulation:
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
                  join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
                  eval_point: str = "after_download", participants: str = "round", clients=None,
-                 placement: Placement = Placement()) -> None:
+                 placement: Placement = Placement(), new_clients: int = 0, new_client_finetune: int = 0) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
         self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
@@ -269,6 +314,27 @@ class Simulation:
                                                    placement)
         # Server-side code computes with the clients' count, so no number depends on the backend.
         self.threads = resolved_threads(getattr(self.clients, "threads", None))
+        self.new_clients = self._new_clients(new_clients, new_client_finetune)
+        self.new_client_finetune = new_client_finetune
+        # Only these are ever sampled, asked for reports or aggregated; with no new clients, all.
+        self.is_new = frozenset(self.new_clients)
+        self.training_clients = [cid for cid in range(data.num_clients) if cid not in self.is_new]
+
+    def _new_clients(self, count: int, finetune: int) -> list[int]:
+        """The clients kept out of training, or a one-line ConfigError where they cannot be evaluated."""
+        if count == 0:
+            return []
+        if count >= self.data.num_clients or count < 0 or finetune < 0:
+            raise ConfigError(f"new_clients={count}, new_client_finetune={finetune}: allowed new_clients "
+                              f"0..{self.data.num_clients - 1} and new_client_finetune >= 0")
+        reason = self.algorithm.new_client_refusal()
+        if reason:
+            raise ConfigError(f"new_clients: algorithm {self.algorithm.name} cannot evaluate clients that never "
+                              f"trained ({reason}); use new_clients=0")
+        if not hasattr(self.clients, "evaluate_new"):
+            raise ConfigError(f"new_clients: not available with {type(self.clients).__name__} (clients on other "
+                              "machines); use new_clients=0 or pfedkit run")
+        return choose_new_clients(self.seed, self.data.num_clients, count)
 
     def initial_state(self, params, buffers, client_params: list | None = None,
                       client_buffers: list | None = None) -> SimState:
@@ -284,7 +350,8 @@ class Simulation:
                            self.keep_optimizer_state)
         state.server = algo.init_server(params)
         algo.diagnostics = state.diagnostics
-        setup_bytes = self.exchange_reports(0, list(range(n)), state)
+        # New clients take no part in the setup exchange either: the server never hears of them.
+        setup_bytes = self.exchange_reports(0, self.training_clients, state)
         if setup_bytes:
             state.rows.extend(self._rows(0, sorted(setup_bytes), {}, setup_bytes, {}, {}, {}))
         return state
@@ -302,10 +369,12 @@ class Simulation:
 
     def _run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1
-        algo, n = self.algorithm, self.data.num_clients
+        algo = self.algorithm
         algo.diagnostics = state.diagnostics
         started = time.perf_counter()
-        cids = sample_clients(self.seed, rnd, n, self.join_ratio, self.participants)
+        # Sampled among the training clients (all N without new clients: the same draw as ever).
+        pool = self.training_clients
+        cids = [pool[k] for k in sample_clients(self.seed, rnd, len(pool), self.join_ratio, self.participants)]
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
         aggregation, reply_bytes = algo.start_aggregation(rnd, state.server, cids), {}
@@ -322,14 +391,18 @@ class Simulation:
         state.rows.extend(self._rows(rnd, cids, messages, reported, reply_bytes, stats, evals))
         state.round = rnd
         state.seconds += evaluated - started
-        weighted = (sum(e.correct for e in evals.values()) / max(1, sum(e.n_test for e in evals.values()))
+        known = [e for cid, e in evals.items() if cid not in self.is_new]  # the participants' side only
+        weighted = (sum(e.correct for e in known) / max(1, sum(e.n_test for e in known))
                     if evals else None)
         samples = sum(s["samples"] for s in stats.values())
         return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
 
     def _evaluate(self, rnd: int, state: SimState, stats: dict[int, dict]):
         n, c = self.data.num_clients, self.data.num_classes
-        evals, norms = self.clients.evaluate(rnd, list(range(n)), state, stats)
+        evals, norms = self.clients.evaluate(rnd, self.training_clients, state, stats)
+        if self.new_clients:
+            new_evals, new_norms = self.clients.evaluate_new(rnd, self.new_clients, state, self.new_client_finetune)
+            evals, norms = {**evals, **new_evals}, {**norms, **new_norms}
         # A client that did not answer (a Flower node gone) has no row: zeros / nan.
         state.class_correct = np.stack([evals[k].class_correct if k in evals else np.zeros(c, np.int64)
                                         for k in range(n)])
@@ -359,4 +432,6 @@ class Simulation:
                 "bytes_up": (reply_bytes.get(cid, 0) + reported.get(cid, 0)) if cid in joined else 0,
                 "dropped": int(cid in joined and rnd > 0 and cid not in reply_bytes),
             })
+            if self.new_clients:  # the column exists only then: without new clients, metrics.csv as before
+                rows[-1]["new_client"] = int(cid in self.is_new)
         return rows

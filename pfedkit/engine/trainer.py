@@ -19,6 +19,7 @@ from torch.func import functional_call
 
 from pfedkit.algorithms.base import Batch, Fit, Forward
 from pfedkit.algorithms.params import Params, unprefixed
+from pfedkit.config import ConfigError
 from pfedkit.engine.device import seed_device_generator, to_device
 from pfedkit.engine.seeds import derive_seed, torch_generator
 
@@ -37,6 +38,10 @@ class TrainSettings:
     seed: int = 0
     keep_optimizer_state: bool = False
     compile: bool = False
+    # Sample-level DP-SGD (config dp.level=sample, pfedkit/privacy/dp_sgd.py): per-sample gradient
+    # clip and noise multiplier for training Fits; None: ordinary SGD.
+    dp_sample_clip: float | None = None
+    dp_sample_noise: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,11 @@ class LocalTrainer:
             schedule = request_schedule(request, s, len(y), generator)
             if on_gpu:  # the indices beside the data they pick
                 schedule = [batch.to(self.device) for batch in schedule]
+            dp_sgd = s.dp_sample_clip is not None and job.purpose == "fit"  # adaptation stays on the client
             if request.step is not None:
+                if dp_sgd:
+                    raise ConfigError("dp.level=sample: this algorithm trains with a custom local step (Fit.step), "
+                                      "which DP-SGD does not cover; use dp.level=client or none")
                 return self._fit_custom(request, live, trainable, schedule, x, y)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),
                                         momentum=s.momentum, weight_decay=s.weight_decay, foreach=True)
@@ -155,8 +164,12 @@ class LocalTrainer:
             # Summed in float64 on the device: the same numbers as adding Python floats, without
             # a host synchronisation per step on a GPU.
             total, samples = torch.zeros((), dtype=torch.float64, device=self.device), 0
+            noise = self._dp_noise_generator(job) if dp_sgd else None
             for batch in schedule:
-                total += self._step(request, optimizer, live, trainable, x[batch], y[batch], batch)
+                if dp_sgd:
+                    total += self._dp_step(request, optimizer, live, trainable, x[batch], y[batch], batch, noise)
+                else:
+                    total += self._step(request, optimizer, live, trainable, x[batch], y[batch], batch)
                 samples += len(batch)
         return FitOutcome(self._params_out(live), self._buffers_out(), float(total) / max(len(schedule), 1),
                           len(schedule), samples, self._momentum_out(optimizer, live, job.optimizer_state))
@@ -209,6 +222,33 @@ class LocalTrainer:
             torch.nn.utils.clip_grad_norm_([live[n] for n in trainable], self.settings.grad_clip, foreach=True)
         optimizer.step()
         return loss.detach().double()
+
+    def _dp_noise_generator(self, job: FitJob) -> torch.Generator:
+        """DP-SGD's noise, seeded by (seed, round, client, request) on the trainer's device."""
+        generator = torch.Generator(device=self.device)
+        return generator.manual_seed(derive_seed(self.settings.seed, job.rnd, job.cid, f"dp-sgd-{job.index}"))
+
+    def _dp_step(self, request: Fit, optimizer, live, trainable, xb, yb, index, noise) -> torch.Tensor:
+        """One DP-SGD step (pfedkit/privacy/dp_sgd.py): per-sample gradients of the request's loss
+        (torch.func), clipped, summed, noised, averaged; then the SGD update. `grad_clip` is not
+        applied (the per-sample clip bounds the gradient already)."""
+        from pfedkit.privacy.dp_sgd import per_sample_gradients, privatize
+
+        frozen = {name: tensor.detach() for name, tensor in live.items() if name not in trainable}
+
+        def sample_loss(params: Params, x1, y1, i1):
+            point = {**frozen, **params}
+            features, logits = self.forward(point, x1.unsqueeze(0))
+            out = Forward(features.float(), logits.float(), i1.unsqueeze(0))
+            return request.loss(out, y1.unsqueeze(0), point, request.context)
+
+        grads, losses = per_sample_gradients(sample_loss, {n: live[n].detach() for n in trainable}, xb, yb, index)
+        private = privatize(grads, self.settings.dp_sample_clip, self.settings.dp_sample_noise, noise)
+        optimizer.zero_grad(set_to_none=True)
+        for name, value in private.items():
+            live[name].grad = value.to(live[name].dtype)
+        optimizer.step()
+        return losses.detach().double().mean()
 
     def _loss_and_backward(self, request: Fit, optimizer, live, xb, yb, index) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)

@@ -198,6 +198,8 @@ def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any
 SUMMARY_COLUMNS = {  # table column -> how to read it from summary.json
     "best": lambda s: s.get("best_acc"),
     "last5": lambda s: s.get("last5_acc"),
+    # clients that never trained (config new_clients): their last5; only where some run has them
+    "new_clients": lambda s: s.get("new_clients_last5_acc"),
     "best_unweighted": lambda s: s.get("best_acc_unweighted"),
     "last5_unweighted": lambda s: s.get("last5_acc_unweighted"),
     "last10_unweighted": lambda s: s.get("last10_acc_unweighted"),
@@ -207,9 +209,25 @@ SUMMARY_COLUMNS = {  # table column -> how to read it from summary.json
     "few": lambda s: (s.get("final_group_acc") or {}).get("few"),
     "MB_per_round": lambda s: (s["bytes_up"] + s["bytes_down"]) / 1e6 / max(1, s["rounds_done"]),
     "s_per_round": lambda s: s.get("sec_per_round"),
+    "epsilon": lambda s: s.get("epsilon"),  # dp: the run's (epsilon, dp.delta) guarantee; only where some run has dp
 }
-PERCENT_COLUMNS = ("best", "last5", "best_unweighted", "last5_unweighted", "last10_unweighted", "worst_client",
+PERCENT_COLUMNS = ("best", "last5", "new_clients", "best_unweighted", "last5_unweighted", "last10_unweighted", "worst_client",
                    "many", "medium", "few")
+# Columns only a run with that option fills: left out of table.csv / table.md when no run has them,
+# and shown after "last5" in any column list when some run has them.
+OPTIONAL_COLUMNS = ("new_clients", "epsilon")
+NEW_CLIENTS_NOTE = (" new_clients: the clients that never trained (config new_clients), mean of their last 5 "
+                    "evaluated rounds, weighted by test samples; the other accuracies are the participants'.")
+
+
+def with_optional_columns(columns: tuple[str, ...], table: pd.DataFrame) -> tuple[str, ...]:
+    """`columns` with each optional column the table has (after "last5", else at the end)."""
+    present = [c for c in OPTIONAL_COLUMNS if f"{c}_mean" in table and c not in columns]
+    if not present:
+        return tuple(columns)
+    columns = list(columns)
+    at = columns.index("last5") + 1 if "last5" in columns else len(columns)
+    return tuple(columns[:at] + present + columns[at:])
 
 
 def seed_values(records: list[RunRecord], read: Callable[[dict], Any]) -> dict[tuple[str, str], list[float]]:
@@ -239,6 +257,8 @@ def seed_table(records: list[RunRecord]) -> pd.DataFrame:
     table["seeds"] = [counts[key] for key in table.index]
     for column, read in SUMMARY_COLUMNS.items():
         stats = {key: mean_std(values) for key, values in seed_values(records, read).items()}
+        if column in OPTIONAL_COLUMNS and all(np.isnan(mean) for mean, _ in stats.values()):
+            continue  # no run has it: table.csv as without the option
         table[f"{column}_mean"] = [stats[key][0] for key in table.index]
         table[f"{column}_std"] = [stats[key][1] for key in table.index]
     return table
@@ -252,7 +272,9 @@ def format_cell(mean: float, std: float, percent: bool) -> str:
 
 
 def markdown_table(table: pd.DataFrame, columns: tuple[str, ...] = tuple(SUMMARY_COLUMNS)) -> str:
-    """The seed table as Markdown: percent columns as mean ± std in %, the others in their unit."""
+    """The seed table as Markdown: percent columns as mean ± std in %, the others in their unit
+    (optional columns such as new_clients added where the table has them)."""
+    columns = tuple(c for c in with_optional_columns(columns, table) if f"{c}_mean" in table)
     groups = table.index.get_level_values("group")
     first = ["method"] if not any(groups) else ["setting", "method"]
     header = first + ["seeds"] + list(columns)
@@ -273,5 +295,49 @@ TABLE_NOTE = ("mean ± std over seeds (population std, ddof=0); accuracies in %:
 def write_seed_table(out_dir: Path, records: list[RunRecord]) -> pd.DataFrame:
     table = seed_table(records)
     atomic_write_text(out_dir / "table.csv", table.to_csv())
-    atomic_write_text(out_dir / "table.md", markdown_table(table) + "\n\n" + TABLE_NOTE + "\n")
+    note = TABLE_NOTE + (NEW_CLIENTS_NOTE if "new_clients_mean" in table else "")
+    atomic_write_text(out_dir / "table.md", markdown_table(table) + "\n\n" + note + "\n")
     return table
+
+
+# ---- entries of `pfedkit compare` (--tuned: methods tuned with the same budget) ---------------
+
+TUNED_SUFFIX = " (tuned)"
+
+
+def compare_entries(source, overrides: list[str], names: list[str], tuned_dir: str | Path | None = None,
+                    log: Callable[[str], None] = lambda text: print(text, file=sys.stderr)
+                    ) -> tuple[list[Entry], dict[str, Any]]:
+    """One entry per algorithm, and the manifest's `tuned` record. With `tuned_dir` (a `pfedkit
+    tune` directory), an algorithm with DIR/<algorithm>/best.yaml runs with its tuned parameters
+    (label `NAME (tuned)`), the others with their defaults; a ConfigWarning names tuned methods
+    whose studies had other budgets or other settings than this comparison."""
+    import warnings
+
+    from pfedkit.algorithms import algorithm_names
+    from pfedkit.config import ConfigWarning
+    from pfedkit.experiments.tuning import read_tuned, tuned_config, tuned_setting_changes
+
+    entries, record = [], {}
+    for name in names:
+        tuned = read_tuned(tuned_dir, name) if tuned_dir is not None else None
+        if tuned is None:
+            config = load_config(source, overrides + [f"algorithm={name}"], expected_sections=algorithm_names())
+            entries.append(Entry(name, config.to_dict()))
+            continue
+        config = tuned_config(source, overrides, name, tuned, expected_sections=algorithm_names())
+        changes = tuned_setting_changes(tuned, config)
+        if changes:
+            warnings.warn(f"{name} was tuned with other settings than this comparison ({changes})",
+                          ConfigWarning, stacklevel=2)
+        entries.append(Entry(name + TUNED_SUFFIX, config.to_dict()))
+        record[name] = {"params": tuned.params, "trials": tuned.trials}
+    if tuned_dir is not None:
+        budgets = {name: item["trials"] for name, item in record.items()}
+        defaults = [name for name in names if name not in record]
+        log(f"tuned ({tuned_dir}): " + (", ".join(f"{n} {t} trials" for n, t in budgets.items()) or "none")
+            + (f"; defaults: {', '.join(defaults)} (no best.yaml)" if defaults else ""))
+        if len(set(budgets.values())) > 1:
+            warnings.warn(f"the tuned methods had different budgets ({', '.join(f'{n}: {t}' for n, t in budgets.items())} "
+                          "trials); tune them with the same --trials for a fair table", ConfigWarning, stacklevel=2)
+    return entries, ({"tuned": {"dir": str(tuned_dir), "algorithms": record}} if tuned_dir is not None else {})

@@ -178,12 +178,45 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
     return "\n".join(parts) + "\n"
 
 
-def list_paper(paper: Paper) -> str:
-    """`reproduce PAPER --list`: tables with their source, columns, rows, seeds and budgets."""
+def table_datasets(paper: Paper, table: Table) -> list[str]:
+    """The datasets the table's cells use (the paper's base, the table's, its columns' and rows')."""
+    found = []
+    for column in table.columns:
+        for row in table.rows:
+            config = paper.base
+            for layer in (table.config, column.config, row.config):
+                config = deep_merge(config, layer)
+            name = config.get("dataset", "digits")
+            if name not in found:
+                found.append(name)
+    return found
+
+
+def data_status(paper: Paper, table: Table, data_dir: str | None = None) -> str:
+    """`data: cifar100 present` or `data: cifar100 missing -> pfedkit data fetch cifar100`, per file
+    the table reads (data_dir, else PFEDKIT_DATA; a subset such as cifar100_first20 reads cifar100)."""
+    from pfedkit.data.datasets import DATASETS, data_present
+
+    files = []
+    for name in table_datasets(paper, table):
+        info = DATASETS.get(name)
+        if info is not None and not info.embedded and info.file_name not in files:
+            files.append(info.file_name)
+    if not files:
+        return "data: embedded"
+    parts = [f"{name} present" if data_present(name, data_dir) else f"{name} missing -> pfedkit data fetch {name}"
+             for name in files]
+    return "data: " + "; ".join(parts)
+
+
+def list_paper(paper: Paper, data_dir: str | None = None) -> str:
+    """`reproduce PAPER --list`: tables with their source, columns, rows, seeds, budgets and whether
+    their data is present (in data_dir, else PFEDKIT_DATA)."""
     lines = [f"{paper.paper}: {paper.title}", f"protocol: {paper.protocol}"]
     for table in paper.tables:
         missing = [row.method for row in table.rows if row.algorithm is None]
         lines.append(f"  --table {table.id}: {table.source}; {table.caption}")
+        lines.append(f"      {data_status(paper, table, data_dir)}")
         lines.append(f"      columns: {', '.join(c.name for c in table.columns)}; metric {table.metric}; "
                      f"paper seeds {table.seeds}")
         lines.append(f"      rows: {', '.join(row.method for row in table.rows)}"

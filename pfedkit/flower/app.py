@@ -17,6 +17,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from pfedkit.config import Config, ConfigError
+from pfedkit.engine.device import resolve_device
 from pfedkit.flower import node
 from pfedkit.flower.server import serve
 
@@ -61,6 +62,7 @@ def simulate(config: Config, quiet: bool = True):
     from pfedkit.engine.ray_runtime import import_ray
 
     import_ray()
+    resolve_device(config.device, "sequential")  # the virtual nodes train on this machine: refuse here, once
     results = []
     app = ServerApp()
 
@@ -74,7 +76,8 @@ def simulate(config: Config, quiet: bool = True):
     elif config.workers:
         init_args["num_cpus"] = int(config.workers * config.flower.client_cpus)
     run_simulation(app, client_app, num_supernodes=config.num_clients, backend_name="ray",
-                   backend_config={"client_resources": {"num_cpus": config.flower.client_cpus, "num_gpus": 0.0},
+                   backend_config={"client_resources": {"num_cpus": config.flower.client_cpus,
+                                                        "num_gpus": config.flower.client_gpus},
                                    "init_args": init_args})
     if not results:
         raise RuntimeError("the Flower simulation ended without a result (see the log above)")

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pfedkit.config import ConfigError, load_config
+from pfedkit.data.hf import file_label
 
 
 def _config(items: list[str]):
@@ -63,7 +64,7 @@ def cmd_local(ns: argparse.Namespace) -> int:
 
     config = _config(ns.items)
     if config.name is None:
-        config = config.model_copy(update={"name": f"flower-{config.algorithm}-{config.dataset}-{datetime.now():%Y%m%d-%H%M%S}"})
+        config = config.model_copy(update={"name": f"flower-{config.algorithm}-{file_label(config.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"})
     home = Path(ns.app or Path(config.out_dir) / f"{config.name}-app")
     tls = make_certificates(home / "certs", nodes=config.num_clients) if ns.tls else None
     deployment = LocalDeployment(home, config.num_clients, data_dir=config.data_dir, tls=tls)

@@ -4,26 +4,32 @@ A node learns which client it is from its `node_config["partition-id"]` and the 
 from every message the server sends (so a fresh ClientApp process, as in a deployment, needs
 nothing else). It builds what the in-process simulation builds for that client: the partition
 (from the dataset's labels, so it matches the server's), its own train/test tensors only, the
-algorithm and a sequential trainer. It then runs the very same client math as the simulation,
+algorithm and a sequential trainer on the node's `device` (resolved on the node's machine:
+`auto` is its GPU when torch sees one, else its CPU; `cuda` on a node without one is refused in
+one line). It then runs the very same client math as the simulation,
 through `LocalClients` with a one-client state: `client_report`, `client_update` (its `Fit`
 requests answered by the same `LocalTrainer`) and the evaluation.
 
 What the client keeps between rounds (the algorithm's client state, its BatchNorm statistics,
 kept optimizer state, and its trained model for `eval_point=after_local_training`) lives in the
-node's `context.state`, packed as records.
+node's `context.state`, packed as records. The node logs the device it trains on when it builds
+its client, and every train answer names it (`device`), which the server logs once per client.
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from flwr.app import Context, Message, RecordDict
 
 from pfedkit.config import Config
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import client_data, split_indices
 from pfedkit.data.partition import class_counts
+from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.runtime import SequentialRuntime, compute_threads
 from pfedkit.engine.simulate import LocalClients, SimState
 from pfedkit.flower.records import put, take
@@ -31,6 +37,8 @@ from pfedkit.flower.records import put, take
 HEADER = "pfedkit"  # the ConfigRecord every server message carries: op, round, config
 PAYLOAD = "payload"
 STATE = "client"    # the node's context.state entry
+
+log = logging.getLogger("pfedkit.flower")
 
 
 @dataclass
@@ -40,6 +48,8 @@ class NodeClient:
     config: Config
     clients: LocalClients
     initial: dict[str, Any]  # the client's starting state, buffers and optimizer state
+    device: torch.device = torch.device("cpu")  # where this node trains and evaluates
+    device_name: str = "cpu"  # `describe_device(device)`: what the node reports
 
     def threads(self) -> int:
         return self.config.threads or 1
@@ -48,7 +58,8 @@ class NodeClient:
 def build_node(config: Config, cid: int) -> NodeClient:
     from pfedkit.runs import build_algorithm, train_settings, uses_channels_last
 
-    dataset = load_dataset(config.dataset, config.data_dir)
+    device = resolve_device(config.device, "sequential")  # this machine's: a node is one sequential trainer
+    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
     if not 0 <= cid < config.num_clients:
         raise ValueError(f"partition-id {cid} is outside the run's clients 0..{config.num_clients - 1}")
     train_index, test_index = split_indices(config, dataset)
@@ -58,13 +69,15 @@ def build_node(config: Config, cid: int) -> NodeClient:
     algorithm, archs = build_algorithm(config, dataset.input_shape, dataset.num_classes, counts)
     node_data = _NodeData(dataset.num_classes, own)
     runtime = SequentialRuntime(archs.build, train_settings(config), node_data, threads=config.threads or 1,
-                                builds=archs.builds, model_keys=archs.model_keys)
+                                builds=archs.builds, model_keys=archs.model_keys, device=device)
     ops = algorithm.setup.ops_for(cid)
     params = ops.initial_params()
     initial = {"client": algorithm.init_client(cid, params), "buffers": ops.initial_buffers(), "optimizer": {},
                "trained": None, "trained_round": -1}
+    name = describe_device(device)
+    log.info("client %d trains on %s", cid, name)
     return NodeClient(cid, config, LocalClients(algorithm, own, runtime, dataset.num_classes, config.eval_point),
-                      initial)
+                      initial, device, name)
 
 
 @dataclass(frozen=True)
@@ -125,7 +138,8 @@ def _train(node: NodeClient, rnd: int, stored: dict, message: Any) -> dict[str, 
     mine = stats[node.cid]
     if node.config.eval_point == "after_local_training":  # evaluated after the round's aggregation
         stored.update(trained=mine.get("trained"), trained_round=rnd)
-    return {"reply": replies[node.cid], "loss": mine["loss"], "steps": mine["steps"], "samples": mine["samples"]}
+    return {"reply": replies[node.cid], "loss": mine["loss"], "steps": mine["steps"], "samples": mine["samples"],
+            "device": node.device_name}
 
 
 def _evaluate(node: NodeClient, rnd: int, stored: dict, server: Any) -> dict[str, Any]:

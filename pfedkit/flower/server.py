@@ -53,6 +53,7 @@ class FlowerClients:
         self.timeout = config.flower.round_timeout
         self.threads = config.threads or 1  # the nodes' (node.py): the server's hooks compute with it too
         self.nodes = self.identify(config.num_clients, config.flower.connect_timeout)
+        self.devices: dict[int, str] = {}  # client id -> the device its node reported (`describe_device`)
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
         """Nothing to do here: each node makes its client's initial state at its first message."""
@@ -90,8 +91,15 @@ class FlowerClients:
               receive: Callable[[int, AlgoMessage], None]) -> dict[int, dict]:
         answers = self._exchange("train", rnd, {cid: messages.get(cid, {}) for cid in cids}, MessageType.TRAIN)
         for cid in sorted(answers):
+            self.note_device(cid, answers[cid].get("device"))
             receive(cid, answers[cid]["reply"])
         return {cid: {key: answer[key] for key in ("loss", "steps", "samples")} for cid, answer in answers.items()}
+
+    def note_device(self, cid: int, device: str | None) -> None:
+        """Log the device a client's node trains on, the first time it says (nodes choose their own)."""
+        if device is not None and self.devices.get(cid) != device:
+            self.devices[cid] = device
+            log.info("client %d trains on %s", cid, device)
 
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
@@ -137,7 +145,7 @@ def serve(grid: Grid, config: Config, quiet: bool = True):
     from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import build_federated
 
-    dataset = load_dataset(config.dataset, config.data_dir)
+    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
     data = build_federated(config, dataset, runs.uses_channels_last(config, dataset.input_shape))
     algorithm, _ = runs.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     clients = FlowerClients(grid, config, asks_reports=algorithm.has_client_report())

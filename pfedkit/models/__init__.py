@@ -23,6 +23,7 @@ from pfedkit.models.base import (HEAD_CHOICES, BodyHeadModel, last_linear, layer
 from pfedkit.models.cnn import FedAvgCNN
 from pfedkit.models.cnn_cifar import CNNCifar, CNNCifar100
 from pfedkit.models.cnn_proto import ProtoCNN
+from pfedkit.models.fasttext import FastText
 from pfedkit.models.mlp import MLP
 from pfedkit.models.resnet import ResNet18
 
@@ -67,6 +68,8 @@ MODELS: dict[str, ModelInfo] = {
                   "FedRep/DA-PFL CNNCifar100: 2 conv (64, 128) + FC 256, 128, dropout, C"),
         ModelInfo("cnn_proto", ProtoCNN,
                   "FedProto/pFedPM CNN: 2 conv (10, c2) + FC 50 feature + FC C (options c2, kernel)"),
+        ModelInfo("fasttext", FastText,
+                  "fastText text classifier: mean token embedding + FC E + FC C (options embed_dim, vocab_size)"),
     ]
 }
 
@@ -76,6 +79,11 @@ DEFAULT_MODELS = {
     "fashion_mnist": "cnn",
     "cifar10": "cnn",
     "cifar100": "cnn",
+    "cifar100_first20": "cnn_cifar100",  # DA-PFL's (FedRep's CNNCifar100)
+    "femnist": "cnn",
+    "femnist_lower10": "mlp",            # DA-PFL's MLP with two hidden layers
+    "tiny_imagenet": "resnet18",         # cwFedAvg's Tiny ImageNet* and PFedCS use ResNet-18
+    "ag_news": "fasttext",               # cwFedAvg's Table 6 (token ids: pfedkit/data/text.py)
 }
 
 
@@ -107,6 +115,8 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, head:
 
 def default_model(dataset: str) -> str:
     """The model a dataset uses unless the config names one."""
+    if dataset.startswith("hf:"):  # images of any size: the CNN (tiny images need model=mlp)
+        return "cnn"
     if dataset not in DEFAULT_MODELS:
         raise ValueError(
             f"no default model for dataset {dataset!r}; known datasets: "

@@ -19,13 +19,14 @@ import numpy as np
 import pandas as pd
 
 from pfedkit.evaluation import round_table
-from pfedkit.experiments.comparison import MANIFEST, PERCENT_COLUMNS, SUMMARY_COLUMNS, TABLE_NOTE, format_cell, slug
+from pfedkit.experiments.comparison import (MANIFEST, NEW_CLIENTS_NOTE, PERCENT_COLUMNS, SUMMARY_COLUMNS, TABLE_NOTE,
+                                            format_cell, slug)
 from pfedkit.report.html import Section, render
 from pfedkit.report.plots import bands
 from pfedkit.report.run_report import ACCURACY_AXIS, ACCURACY_NOTE, PERCENT, client_spread, read_run, report_run
 
 # The columns `pfedkit compare` prints; the page shows the others collapsed, so the table fits.
-HEADLINE_COLUMNS = ("best", "last5", "best_unweighted", "last5_unweighted", "worst_client", "MB_per_round",
+HEADLINE_COLUMNS = ("best", "last5", "new_clients", "best_unweighted", "last5_unweighted", "worst_client", "MB_per_round",
                     "s_per_round")
 PAPER_HEADLINE = ("column", "method", "metric", "ours", "seeds", "paper", "diff", "rank ours / paper", "order")
 
@@ -161,7 +162,8 @@ def tables_section(root: Path) -> list[Section]:
         table = pd.read_csv(root / "table.csv", dtype={"group": str, "label": str}, keep_default_na=False,
                             na_values=[""])
         table["group"] = table["group"].fillna("")
-        sections.append(Section("Results (mean ± std over seeds)", TABLE_NOTE,
+        note = TABLE_NOTE + (NEW_CLIENTS_NOTE if "new_clients_mean" in table else "")
+        sections.append(Section("Results (mean ± std over seeds)", note,
                                 tables=[seed_cells(table, HEADLINE_COLUMNS)]))
         others = tuple(column for column in SUMMARY_COLUMNS if column not in HEADLINE_COLUMNS)
         sections.append(Section(f"More columns: {', '.join(others)} (mean ± std over seeds)",

@@ -1,0 +1,146 @@
+"""epsilon from a maintained accountant (Opacus' RDP or PRV), and the run's privacy budget.
+
+Client level: one Gaussian mechanism per round, subsampled with rate q = m / N (m clients sampled
+of N). Sample level: each client's own DP-SGD, one mechanism per local step with rate
+q_i = batch_size / n_i, counted over the steps the client actually ran (metrics.csv `train_steps`);
+the run reports the worst client's epsilon.
+
+The approximation (documented in docs/privacy.md): Opacus' accountants analyse POISSON subsampling
+(each client / sample joins independently with probability q). pfedkit samples exactly m clients per
+round without replacement, and local training walks shuffled fixed-size batches; both are accounted
+as Poisson sampling with the same q, the usual practice, not a proof for the sampling used. With
+join_ratio = 1 (q = 1) there is no amplification and the client-level figure is exact.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+
+ACCOUNTANTS = ("rdp", "prv")
+
+
+def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
+    """The epsilon of `steps` compositions of the subsampled Gaussian mechanism (noise std /
+    sensitivity = `noise_multiplier`, rate `sample_rate`) at `delta`: 0 before any step, inf without noise."""
+    if steps <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    return epsilon_of_history([(noise_multiplier, sample_rate, int(steps))], delta, accountant)
+
+
+def epsilon_of_history(history: Sequence[tuple[float, float, int]], delta: float, accountant: str = "rdp") -> float:
+    """epsilon of a sequence of (noise_multiplier, sample_rate, steps) mechanisms, by Opacus."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    history = [(float(z), float(q), int(k)) for z, q, k in history if k > 0]
+    if not history:
+        return 0.0
+    if any(z <= 0 for z, _, _ in history):
+        return math.inf
+    acc = RDPAccountant() if accountant == "rdp" else PRVAccountant()
+    acc.history = history
+    with warnings.catch_warnings():  # Opacus' hints about its grid of orders / numerical domain
+        warnings.simplefilter("ignore")
+        return float(acc.get_epsilon(delta))
+
+
+class PrivacyBudget:
+    """The run's epsilon round by round, read from the metrics rows (so a resumed run recounts
+    exactly), and whether the next round would exceed `target_epsilon`.
+
+    level "client": epsilon(z, m / N, rounds done). level "sample": max over clients of
+    epsilon(z_s, min(1, B / n_i), DP-SGD steps client i ran); before a round, each of its
+    participants is expected to run as many steps as in its previous participation (its first:
+    local_epochs passes over its data in batches of B): exact for methods whose local work is the
+    same every round, and checked after the round."""
+
+    def __init__(self, level: str, noise_multiplier: float, delta: float, accountant: str,
+                 target_epsilon: float | None, participants: Callable[[int], list[int]], num_clients: int,
+                 n_train: Sequence[int] = (), batch_size: int = 1, local_epochs: int = 1, drop_last: bool = False) -> None:
+        if level not in ("client", "sample"):
+            raise ValueError(f"level must be 'client' or 'sample', got {level!r}")
+        self.level, self.noise_multiplier, self.delta, self.accountant = level, noise_multiplier, delta, accountant
+        # participants(rnd): the clients sampled in round rnd (the engine's seeded draw);
+        # num_clients: how many clients that draw picks from (N, less the new clients kept out)
+        self.target_epsilon, self.participants, self.num_clients = target_epsilon, participants, num_clients
+        self.sampled = len(participants(1))  # m, the same every round
+        self.n_train, self.batch_size = list(n_train), batch_size
+        self.local_epochs, self.drop_last = local_epochs, drop_last
+        self._cache: dict[tuple[float, int], float] = {}
+
+    @property
+    def client_rate(self) -> float:
+        """q = m / N: the chance a given client is in a round's sample."""
+        return self.sampled / self.num_clients
+
+    def sample_rate(self, cid: int) -> float:
+        """q_i = B / n_i: the chance a given sample of client cid is in one of its mini-batches."""
+        return min(1.0, self.batch_size / max(1, self.n_train[cid]))
+
+    def _epsilon(self, rate: float, steps: int) -> float:
+        key = (rate, steps)
+        if key not in self._cache:
+            self._cache[key] = epsilon(self.noise_multiplier, rate, steps, self.delta, self.accountant)
+        return self._cache[key]
+
+    def client_steps(self, rows: Sequence[dict], up_to: int) -> dict[int, int]:
+        """DP-SGD steps per client in rounds 1..up_to (the rows' `train_steps`)."""
+        steps: dict[int, int] = {}
+        for row in rows:
+            if 1 <= row["round"] <= up_to and row["train_steps"]:
+                steps[row["client"]] = steps.get(row["client"], 0) + int(row["train_steps"])
+        return steps
+
+    def epsilon_after(self, rows: Sequence[dict], rnd: int) -> float:
+        """The run's epsilon once round `rnd` is done."""
+        if self.level == "client":
+            return self._epsilon(self.client_rate, rnd)
+        steps = self.client_steps(rows, rnd)
+        return max((self._epsilon(self.sample_rate(cid), k) for cid, k in steps.items()), default=0.0)
+
+    def expected_steps(self, rows: Sequence[dict], cid: int) -> int:
+        """Sample level: the DP-SGD steps client cid is expected to run when it next takes part."""
+        for row in reversed(rows):
+            if row["client"] == cid and row["round"] >= 1 and row["train_steps"]:
+                return int(row["train_steps"])
+        n, b = self.n_train[cid], self.batch_size
+        return self.local_epochs * (n // b if self.drop_last else math.ceil(n / b))
+
+    def epsilon_next(self, rows: Sequence[dict], done: int, participants: Sequence[int]) -> float:
+        """The run's epsilon if round done + 1 runs with these participants."""
+        if self.level == "client":
+            return self._epsilon(self.client_rate, done + 1)
+        steps = self.client_steps(rows, done)
+        for cid in participants:
+            steps[cid] = steps.get(cid, 0) + self.expected_steps(rows, cid)
+        return max((self._epsilon(self.sample_rate(cid), k) for cid, k in steps.items()), default=0.0)
+
+    def exhausted(self, rows: Sequence[dict], done: int, participants: Sequence[int]) -> str | None:
+        """One line saying why round done + 1 must not run (it would exceed target_epsilon), or None."""
+        if self.target_epsilon is None:
+            return None
+        upcoming = self.epsilon_next(rows, done, participants)
+        if upcoming <= self.target_epsilon:
+            return None
+        kept = f"rounds 1-{done} are kept (epsilon {self.epsilon_after(rows, done):.4g})" if done else "no round ran"
+        return (f"dp.target_epsilon: stopped after round {done}: round {done + 1} would reach epsilon "
+                f"{upcoming:.4g} > {self.target_epsilon:g} (delta {self.delta:g}); {kept}")
+
+    def write_epsilon(self, rows: list[dict], rnd: int) -> None:
+        """metrics.csv's `epsilon` column: the run's epsilon after round rnd, on that round's rows."""
+        value = self.epsilon_after(rows, rnd)
+        for row in rows:
+            if row["round"] == rnd:
+                row["epsilon"] = value
+
+    def summary(self, rows: Sequence[dict], done: int, planned: int) -> dict:
+        """The summary's privacy fields: the guarantee of the rounds done."""
+        rate = self.client_rate if self.level == "client" else None
+        return {"dp_level": self.level, "epsilon": self.epsilon_after(rows, done), "delta": self.delta,
+                "dp_accountant": self.accountant, "dp_noise_multiplier": self.noise_multiplier,
+                "dp_client_sampling_rate": rate, "dp_target_epsilon": self.target_epsilon,
+                "dp_stopped_early": done < planned}

@@ -1,0 +1,100 @@
+"""What a run with `dp` checks and wires once, before its run directory exists.
+
+Refusals are one-line ConfigErrors naming the key, the reason and what is allowed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pfedkit.config import Config, ConfigError
+from pfedkit.engine.seeds import sample_clients
+from pfedkit.privacy.accounting import PrivacyBudget
+from pfedkit.privacy.client_dp import ClientDP
+from pfedkit.privacy.dp_sgd import batchnorm_layers
+
+
+def aggregates_by_mean(algorithm) -> bool:
+    """Whether the server's aggregate is the weighted mean of the clients' uploads built by
+    `params_mean_aggregation` (FedAvg, FedProx, FedPer/LG-FedAvg/FedRep, FedBABU, FedRoD...): asks
+    the algorithm for a round's aggregation over no participants (nothing is trained or kept) and
+    looks at what it built, so a subclass that aggregates differently answers False."""
+    from pfedkit.algorithms.aggregation import SampleWeightedMean
+
+    try:
+        probe = algorithm.start_aggregation(0, None, [])
+    except Exception:  # noqa: BLE001 - an aggregation that needs a real server state is not the mean
+        return False
+    return isinstance(probe, SampleWeightedMean)
+
+
+def mean_algorithms() -> list[str]:
+    """The registered algorithms client-level DP applies to (for the refusal's `allowed` list)."""
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+
+    names = []
+    for name in algorithm_names():
+        cls = get_algorithm(name)
+        if cls.start_aggregation is not _base_start_aggregation() and _defines_mean(cls):
+            names.append(name)
+    return names
+
+
+def _base_start_aggregation():
+    from pfedkit.algorithms.base import Algorithm
+    return Algorithm.start_aggregation
+
+
+def _defines_mean(cls) -> bool:
+    """`aggregates_by_mean` for a class, without building it (a bare instance: the probe reads only
+    `setup.train_counts` for no participants)."""
+    instance = cls.__new__(cls)
+    instance.setup = _NoClients()
+    return aggregates_by_mean(instance)
+
+
+class _NoClients:
+    train_counts: Any = ()
+
+
+def attach_client_dp(config: Config, algorithm) -> None:
+    """Client level: refuse an algorithm whose aggregate is not the mean of updates; else give it
+    the settings `params_mean_aggregation` reads."""
+    if config.dp.level != "client":
+        return
+    if not aggregates_by_mean(algorithm):
+        raise ConfigError(f"dp.level=client: algorithm {algorithm.name} does not aggregate by a mean of model "
+                          f"updates, so DP-FedAvg's clipping and noise do not apply; allowed with: "
+                          f"{', '.join(mean_algorithms())}")
+    algorithm.client_dp = ClientDP(config.dp.clip, config.dp.noise_multiplier, config.seed)
+
+
+def check_sample_dp(config: Config, model: nn.Module) -> None:
+    """Sample level: DP-SGD runs in the reference trainer, and needs per-sample gradients."""
+    if config.dp.level != "sample":
+        return
+    if config.backend == "vectorized":
+        raise ConfigError("dp.level=sample: backend vectorized trains without per-sample clipping; "
+                          "allowed: sequential, processes, ray")
+    layers = batchnorm_layers(model)
+    if layers:
+        raise ConfigError(f"dp.level=sample: model {config.model} has BatchNorm ({', '.join(layers[:3])}), which "
+                          "mixes the samples of a batch, so per-sample gradients do not exist; set "
+                          "dp.replace_batchnorm=true (GroupNorm instead) or choose a model without BatchNorm")
+
+
+def privacy_budget(config: Config, simulation) -> PrivacyBudget | None:
+    """The run's accountant (None without DP), sampling clients as `simulation` does."""
+    dp = config.dp
+    if dp.level == "none":
+        return None
+    pool = list(getattr(simulation, "training_clients", range(simulation.data.num_clients)))
+
+    def participants(rnd: int) -> list[int]:  # Simulation._run_round's draw
+        return [pool[k] for k in sample_clients(config.seed, rnd, len(pool), config.join_ratio, config.participants)]
+
+    noise = dp.noise_multiplier if dp.level == "client" else dp.sample_noise_multiplier
+    return PrivacyBudget(dp.level, noise, dp.delta, dp.accountant, dp.target_epsilon, participants, len(pool),
+                         [client.n_train for client in simulation.data.clients], config.batch_size,
+                         config.local_epochs, config.drop_last)

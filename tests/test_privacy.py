@@ -1,0 +1,319 @@
+"""Differential privacy (pfedkit/privacy, docs/privacy.md): client-level DP-FedAvg, sample-level
+DP-SGD, and the epsilon reported against Opacus' own analysis."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from torch import nn
+
+import pfedkit
+from pfedkit.algorithms.aggregation import SampleWeightedMean
+from pfedkit.algorithms.base import NoHyper, Setup
+from pfedkit.algorithms.fedavg import FedAvg
+from pfedkit.config import ConfigError, load_config
+from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
+from pfedkit.algorithms.base import Fit
+from pfedkit.privacy.accounting import epsilon
+from pfedkit.privacy.client_dp import ClientDP, ClientDPMean, clipped_model, update_norm
+from pfedkit.privacy.dp_sgd import batchnorm_layers, batchnorm_to_groupnorm, privatize
+from pfedkit.privacy.setup import check_sample_dp
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DELTA = 1e-5
+
+
+@pytest.fixture
+def equal_clients(tmp_path):
+    """FedAvg on digits, 4 clients of exactly 60 training samples each (so FedAvg's n_i shares
+    equal DP's uniform 1/m), 2 rounds."""
+    return {"algorithm": "fedavg", "dataset": "digits", "num_clients": 4, "rounds": 2, "threads": 1,
+            "batch_size": 20, "lr": 0.05, "seed": 3, "out_dir": str(tmp_path / "runs"),
+            "partition": {"scheme": "iid", "samples_per_client": 80, "stratified": False}}
+
+
+def model_params(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"body.w": scale * torch.randn(50, 40, generator=gen), "head.b": scale * torch.randn(10, generator=gen)}
+
+
+def dp_mean(cids, reference, clip, noise, rnd=1, seed=0):
+    return ClientDPMean("params", cids, reference, lambda mean: mean, None, ClientDP(clip, noise, seed), rnd,
+                        lambda *args: None)
+
+
+def opacus_epsilon(sigma: float, q: float, steps: int, delta: float = DELTA) -> float:
+    """Independently of pfedkit: Opacus' RDP analysis over RDPAccountant's default orders."""
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders)
+    return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+
+# --- client level: clipping, uniform weights, noise ----------------------------------------------
+
+def test_clipped_update_norm_is_at_most_clip_and_small_updates_pass_unchanged():
+    reference = model_params(0)
+    for scale, clip in [(0.001, 1.0), (0.5, 1.0), (3.0, 0.25), (10.0, 5.0)]:
+        upload = {n: reference[n] + scale * t for n, t in model_params(7).items()}
+        clipped, norm = clipped_model(upload, reference, clip)
+        assert norm == pytest.approx(update_norm(upload, reference))
+        assert update_norm(clipped, reference) <= clip * (1 + 1e-6)
+        if norm <= clip:
+            assert all(clipped[n] is upload[n] for n in upload)  # used as uploaded: bit-exact
+        else:  # on the sphere, same direction
+            assert update_norm(clipped, reference) == pytest.approx(clip, rel=1e-5)
+            cos = sum(((clipped[n] - reference[n]) * (upload[n] - reference[n])).sum() for n in upload)
+            assert float(cos) / (clip * norm) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_aggregate_moves_by_at_most_clip_over_m_per_client_without_noise():
+    """One client with a huge update among m = 4 zero updates: the aggregate moves by exactly clip / m."""
+    reference, clip, cids = model_params(0), 0.5, [0, 1, 2, 3]
+    agg = dp_mean(cids, reference, clip, noise=0.0)
+    agg.add(2, {"params": {n: reference[n] + 100 * t for n, t in model_params(9).items()}, "weight": 500})
+    for cid in (0, 1, 3):
+        agg.add(cid, {"params": reference, "weight": 1})
+    assert update_norm(agg.finish(), reference) == pytest.approx(clip / len(cids), rel=1e-5)
+
+
+def test_client_dp_ignores_sample_size_weights():
+    """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the streamed
+    FedAvg aggregation with client_dp gives the uniform mean of the (unclipped) uploads."""
+    counts = np.array([[10], [90]])
+    algo = FedAvg(NoHyper(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
+    algo.client_dp = ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0)
+    reference = model_params(0)
+    uploads = {cid: {n: reference[n] + 0.01 * t for n, t in model_params(cid + 5).items()} for cid in (0, 1)}
+    agg = algo.start_aggregation(1, {"params": reference}, [0, 1])
+    for cid in (1, 0):
+        agg.add(cid, {"params": uploads[cid], "weight": int(counts[cid].sum())})
+    result = agg.finish()["params"]
+    for name in reference:
+        assert torch.allclose(result[name], (uploads[0][name] + uploads[1][name]) / 2, atol=1e-7)
+
+
+def test_infinite_clip_and_zero_noise_equal_the_uniform_mean_bit_for_bit():
+    reference, cids = model_params(0), [0, 2, 5]
+    uploads = {cid: model_params(cid + 1) for cid in cids}
+    plain = SampleWeightedMean("params", {cid: 1.0 for cid in cids}, lambda mean: mean, None)
+    private = dp_mean(cids, reference, math.inf, 0.0)
+    for cid in (5, 0, 2):  # any arrival order
+        plain.add(cid, {"params": uploads[cid], "weight": 1.0})
+        private.add(cid, {"params": uploads[cid], "weight": 123})
+    expected, got = plain.finish(), private.finish()
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+def test_noise_std_is_noise_multiplier_times_clip_over_m():
+    """Zero updates from m = 4 clients, z = 1.5, C = 2: the aggregate is w0 + N(0, (zC/m)^2)."""
+    reference = {"body.w": torch.zeros(400, 500)}
+    cids, clip, z = [0, 1, 2, 3], 2.0, 1.5
+    agg = dp_mean(cids, reference, clip, z)
+    for cid in cids:
+        agg.add(cid, {"params": reference, "weight": 1})
+    noise = agg.finish()["body.w"]
+    assert not torch.equal(noise, reference["body.w"])
+    assert float(noise.std()) == pytest.approx(z * clip / len(cids), rel=0.01)
+    assert abs(float(noise.mean())) < 0.01
+
+
+def test_noise_is_seeded_by_run_seed_and_round():
+    reference = {"body.w": torch.zeros(1000)}
+
+    def noisy(rnd, seed):
+        agg = dp_mean([0], reference, 1.0, 1.0, rnd=rnd, seed=seed)
+        agg.add(0, {"params": reference, "weight": 1})
+        return agg.finish()["body.w"]
+
+    assert torch.equal(noisy(3, 1), noisy(3, 1))
+    assert not torch.equal(noisy(3, 1), noisy(4, 1))
+    assert not torch.equal(noisy(3, 1), noisy(3, 2))
+
+
+def test_a_client_that_never_replies_counts_as_a_zero_update():
+    reference, cids = model_params(0), [0, 1]
+    upload = {n: reference[n] + 0.01 * t for n, t in model_params(4).items()}
+    agg = dp_mean(cids, reference, math.inf, 0.0)
+    agg.add(0, {"params": upload, "weight": 1})
+    result = agg.finish()
+    for name in reference:  # denominator stays m = 2
+        assert torch.allclose(result[name], (upload[name] + reference[name]) / 2, atol=1e-7)
+
+
+# --- client level: whole runs ----------------------------------------------------------------------
+
+def test_zero_noise_and_unreachable_clip_reproduce_the_non_private_run(equal_clients):
+    plain = pfedkit.run(equal_clients)
+    private = pfedkit.run({**equal_clients, "dp": {"level": "client", "clip": 1e30, "noise_multiplier": 0.0}})
+    assert plain.metrics.groupby("round").n_train.nunique().eq(1).all()  # the precondition: equal n_i
+    on_disk = pd.read_csv(private.run_dir / "metrics.csv")
+    assert "epsilon" in on_disk and np.isinf(on_disk["epsilon"]).all()
+    assert pd.read_csv(plain.run_dir / "metrics.csv").equals(on_disk.drop(columns="epsilon"))
+
+
+def test_noisy_run_repeats_exactly_and_differs_from_the_plain_run(equal_clients):
+    config = {**equal_clients, "dp": {"level": "client", "clip": 0.5, "noise_multiplier": 0.3}}
+    first, second = pfedkit.run(config), pfedkit.run(config)
+    plain = pfedkit.run(equal_clients)
+    assert pd.read_csv(first.run_dir / "metrics.csv").equals(pd.read_csv(second.run_dir / "metrics.csv"))
+    assert not np.array_equal(first.metrics["loss"].dropna(), plain.metrics["loss"].dropna())
+
+
+def test_reported_epsilon_equals_opacus_for_the_client_sampling_rate(equal_clients):
+    config = {**equal_clients, "rounds": 3, "join_ratio": 0.5,
+              "dp": {"level": "client", "clip": 1.0, "noise_multiplier": 0.8, "delta": DELTA}}
+    result = pfedkit.run(config)
+    per_round = pd.read_csv(result.run_dir / "metrics.csv").groupby("round")["epsilon"].agg(["min", "max"])
+    assert (per_round["min"] == per_round["max"]).all()
+    q = 2 / 4  # m = round(0.5 * 4) clients sampled of N = 4
+    for rnd in (1, 2, 3):
+        assert per_round.loc[rnd, "max"] == pytest.approx(opacus_epsilon(0.8, q, rnd), rel=1e-9)
+    assert result.summary["epsilon"] == pytest.approx(opacus_epsilon(0.8, q, 3), rel=1e-9)
+    assert result.summary["dp_client_sampling_rate"] == q
+
+
+def test_run_stops_before_a_round_that_would_exceed_target_epsilon(equal_clients, capsys):
+    sigma = 1.2
+    target = (opacus_epsilon(sigma, 1.0, 2) + opacus_epsilon(sigma, 1.0, 3)) / 2  # between rounds 2 and 3
+    result = pfedkit.run({**equal_clients, "rounds": 6,
+                          "dp": {"level": "client", "noise_multiplier": sigma, "target_epsilon": target}})
+    metrics = pd.read_csv(result.run_dir / "metrics.csv")
+    assert metrics["round"].max() == 2
+    assert metrics.loc[metrics["round"] == 2, "epsilon"].max() <= target
+    assert result.summary["rounds_done"] == 2 and result.summary["dp_stopped_early"] is True
+    assert result.summary["epsilon"] <= target
+    lines = [line for line in capsys.readouterr().err.splitlines() if "target_epsilon" in line]
+    assert len(lines) == 1 and "round 3" in lines[0]
+
+
+def test_prv_accountant_matches_opacus_prv():
+    accountant = PRVAccountant()
+    accountant.history = [(1.1, 0.1, 50)]
+    assert epsilon(1.1, 0.1, 50, DELTA, "prv") == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-9)
+    assert epsilon(1.1, 0.1, 0, DELTA) == 0.0 and epsilon(0.0, 0.1, 5, DELTA) == math.inf
+
+
+# --- refusals and config ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["local", "fedamp", "ifca"])
+def test_client_dp_refuses_algorithms_that_do_not_average_updates(equal_clients, algorithm, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        pfedkit.run({**equal_clients, "algorithm": algorithm, "dp": {"level": "client"}})
+    message = str(err.value)
+    assert "\n" not in message and f"algorithm {algorithm}" in message and "fedavg" in message
+    assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+
+
+@pytest.mark.parametrize("override, key", [("dp.level=both", "dp.level"), ("dp.clip=0", "dp.clip"),
+                                           ("dp.delta=1", "dp.delta"), ("dp.accountant=gdp", "dp.accountant"),
+                                           ("dp.noise_multiplier=-1", "dp.noise_multiplier"),
+                                           ("dp.clp=1", "dp.clp")])
+def test_bad_dp_options_are_one_line_errors(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert "\n" not in str(err.value) and key in str(err.value)
+
+
+def test_dp_off_keeps_config_yaml_as_before():
+    assert "dp" not in load_config(None, []).to_dict()
+    assert load_config(None, ["dp.level=client"]).to_dict()["dp"]["level"] == "client"
+
+
+def test_sample_dp_refuses_batchnorm_and_vectorized():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    with pytest.raises(ConfigError, match="BatchNorm.*replace_batchnorm"):
+        check_sample_dp(load_config(None, ["dp.level=sample"]), model)
+    with pytest.raises(ConfigError, match="vectorized"):
+        check_sample_dp(load_config(None, ["dp.level=sample", "backend=vectorized"]), nn.Linear(4, 2))
+
+
+def test_run_with_a_batchnorm_model_is_refused_or_converted(equal_clients, monkeypatch):
+    import pfedkit.runs as runs
+
+    real = runs.build_model
+
+    def mlp_with_batchnorm(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.body.add_module("bn", nn.BatchNorm1d(200))
+        return model
+
+    monkeypatch.setattr(runs, "build_model", mlp_with_batchnorm)
+    config = {**equal_clients, "rounds": 1, "dp": {"level": "sample"}}
+    with pytest.raises(ConfigError) as err:
+        pfedkit.run(config)
+    assert "\n" not in str(err.value) and "body.bn" in str(err.value)
+    converted = pfedkit.run({**config, "dp": {"level": "sample", "replace_batchnorm": True}})
+    assert converted.summary["epsilon"] > 0 and np.isfinite(converted.metrics["loss"]).all()
+
+
+def test_replace_batchnorm_gives_groupnorm_with_the_same_names():
+    from pfedkit.models import build_model
+
+    model = build_model("resnet18", (1, 8, 8), 10, head="last")
+    names = {n for n, _ in model.named_parameters()}
+    converted = batchnorm_to_groupnorm(model)
+    assert batchnorm_layers(converted) == [] and {n for n, _ in converted.named_parameters()} == names
+    assert isinstance(converted.body.bn1, nn.GroupNorm)
+    assert converted(torch.randn(3, 1, 8, 8)).shape == (3, 10)
+
+
+# --- sample level: DP-SGD ----------------------------------------------------------------------------
+
+def test_privatize_clips_each_sample_and_averages():
+    grads = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])}  # norms 5, 0.5, 0
+    out = privatize(grads, clip=1.0, noise_multiplier=0.0, generator=None)["w"]
+    expected = (torch.tensor([0.6, 0.8]) * 5 / (5 + 1e-6) + torch.tensor([0.3, 0.4])) / 3
+    assert torch.allclose(out, expected, atol=1e-6)
+    noisy = privatize({"w": torch.zeros(4, 20000)}, clip=2.0, noise_multiplier=1.5,
+                      generator=torch.Generator().manual_seed(0))["w"]
+    assert float(noisy.std()) == pytest.approx(1.5 * 2.0 / 4, rel=0.02)  # z C / B
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 5), nn.ReLU())
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def fit_once(settings: TrainSettings, x, y, params):
+    trainer = LocalTrainer(TinyModel, settings)
+    return trainer.fit(FitJob(1, 0, 0, Fit(params), None), x, y)
+
+
+def test_dp_sgd_without_clip_or_noise_is_sgd_and_with_them_is_seeded():
+    x, y = torch.randn(24, 6, generator=torch.Generator().manual_seed(1)), torch.arange(24) % 3
+    params = {n: p.detach().clone() for n, p in TinyModel().named_parameters()}
+    base = TrainSettings(local_epochs=2, batch_size=8, lr=0.1, seed=0)
+    sgd = fit_once(base, x, y, params)
+    loose = fit_once(TrainSettings(2, 8, 0.1, seed=0, dp_sample_clip=1e9, dp_sample_noise=0.0), x, y, params)
+    for name in params:  # mean of per-sample gradients == the batch gradient of the mean loss
+        assert torch.allclose(sgd.params[name], loose.params[name], atol=1e-5)
+    assert loose.mean_loss == pytest.approx(sgd.mean_loss, rel=1e-5)
+    noisy = TrainSettings(2, 8, 0.1, seed=0, dp_sample_clip=0.1, dp_sample_noise=1.0)
+    first, second = fit_once(noisy, x, y, params), fit_once(noisy, x, y, params)
+    assert all(torch.equal(first.params[n], second.params[n]) for n in params)
+    assert not torch.allclose(first.params["head.weight"], sgd.params["head.weight"], atol=1e-3)
+
+
+def test_sample_level_epsilon_is_the_worst_clients_opacus_epsilon(equal_clients):
+    result = pfedkit.run({**equal_clients, "partition": {"scheme": "dirichlet", "alpha": 1.0}, "rounds": 2,
+                          "dp": {"level": "sample", "sample_clip": 1.0, "sample_noise_multiplier": 1.1}})
+    metrics = pd.read_csv(result.run_dir / "metrics.csv")
+    trained = metrics[metrics["round"] >= 1]
+    steps = trained.groupby("client")["train_steps"].sum()
+    n_train = trained.groupby("client")["n_train"].first()
+    assert n_train.nunique() > 1  # different q_i = B / n_i
+    expected = max(opacus_epsilon(1.1, min(1.0, 20 / n_train[c]), int(steps[c])) for c in steps.index)
+    assert result.summary["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert metrics.loc[metrics["round"] == 2, "epsilon"].iloc[0] == pytest.approx(expected, rel=1e-9)
