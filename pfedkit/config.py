@@ -150,12 +150,16 @@ class DPConfig(BaseModel):
     level: Literal["none", "client", "sample"] = Field("none", description="none, client (DP-FedAvg: "
                                                        "clip + noise the aggregate) or sample (DP-SGD locally)")
     clip: float = Field(1.0, gt=0, description="client level: L2 bound on each client's model update")
-    noise_multiplier: float = Field(1.0, ge=0, description="client level: noise std / (clip / m)")
+    noise_multiplier: float = Field(1.0, ge=0, description="client level: noise std / (clip / m); "
+                                    "participants=poisson: / (clip / (join_ratio * N))")
     sample_clip: float = Field(1.0, gt=0, description="sample level: L2 bound on each sample's gradient")
     sample_noise_multiplier: float = Field(1.0, ge=0, description="sample level: noise std / sample_clip")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the (epsilon, delta) reported")
     target_epsilon: float | None = Field(None, gt=0, description="stop before a round that would exceed it")
-    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus accountant: rdp or prv")
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="rdp or prv (Opacus, Poisson sampling: "
+                                              "sample level, and client level with participants=poisson); client "
+                                              "level with fixed-size sampling: rdp only (dp_accounting's RDP "
+                                              "analysis of sampling without replacement)")
     replace_batchnorm: bool = Field(False, description="sample level: the model's BatchNorm layers become "
                                     "GroupNorm (DP-SGD needs per-sample gradients; BatchNorm mixes samples)")
 
@@ -174,8 +178,9 @@ class Config(BaseModel):
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     num_clients: int = Field(10, ge=1)
     join_ratio: float = Field(1.0, gt=0, le=1)
-    participants: Literal["round", "floor"] = Field(
-        "round", description="clients per round: round(join_ratio * N), or int(join_ratio * N) (PFLlib)")
+    participants: Literal["round", "floor", "poisson"] = Field(
+        "round", description="clients per round: round(join_ratio * N), or int(join_ratio * N) (PFLlib), drawn "
+        "without replacement; poisson: each client joins independently with probability join_ratio")
     new_clients: int = Field(0, ge=0, description="clients (chosen with the seed) that never train and are "
                              "never aggregated: each evaluation, they receive what a joining client would and "
                              "are evaluated (generalisation to new clients); join_ratio applies to the others")

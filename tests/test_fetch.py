@@ -256,3 +256,79 @@ def test_converted_data_failing_the_loader_checks_leaves_nothing(tmp_path, monke
     assert err.count("\n") == 1 and "labels run from 1 to 10" in err
     assert not (tmp_path / "cifar10" / "cifar10.npz.xz").exists()
     assert not (tmp_path / "SHA256SUMS").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two fetches of one dataset into one data directory (fetch_lock)
+# ---------------------------------------------------------------------------------------------
+
+def test_a_second_fetch_waits_for_the_first_and_downloads_nothing(tmp_path, monkeypatch, capsys):
+    import threading
+
+    files, (x_train, _, x_test, _) = _mnist_fixture()
+    server = _serve(monkeypatch, "mnist", files)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_download(url, part, offset, progress):  # the first fetch stalls inside its download
+        started.set()
+        assert release.wait(10)
+        server(url, part, offset, progress)
+
+    monkeypatch.setattr(fetch_module, "download", slow_download)
+    root = tmp_path / "data"
+    results, errors = {}, []
+
+    def fetch(tag):
+        try:
+            results[tag] = fetch_module.fetch("mnist", str(root), progress=False)
+        except BaseException as err:  # surfaced by the assertions below
+            errors.append(err)
+
+    first = threading.Thread(target=fetch, args=("first",))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=fetch, args=("second",))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second fetch must wait while the first holds the lock"
+    assert "another `pfedkit data fetch mnist` is writing to" in capsys.readouterr().err
+    assert len(server.calls) == 0  # the first one is still stalled in its first download
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert not errors and not first.is_alive() and not second.is_alive()
+    assert results["first"] == results["second"] == root / "mnist" / "mnist.npz.xz"
+    # each file downloaded once, from offset 0: no two writers appended to one .part
+    assert sorted(server.calls) == sorted((name, 0) for name in files)
+    assert "already present" in capsys.readouterr().err
+    data = load_dataset("mnist", str(root), cache_dir=str(tmp_path / "cache"))
+    np.testing.assert_array_equal(data.stored, np.concatenate([x_train, x_test]))
+
+
+def test_a_killed_fetch_leaves_no_stale_lock(tmp_path, monkeypatch):
+    """The lock belongs to a process: kill the holder and the next fetch goes ahead at once."""
+    import subprocess
+    import sys
+    import threading
+
+    server = _serve(monkeypatch, "mnist", _mnist_fixture()[0])
+    root = tmp_path / "data"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, pathlib\n"
+        f"p = pathlib.Path({str(root)!r}) / '.downloads' / 'mnist.lock'\n"
+        "p.parent.mkdir(parents=True, exist_ok=True)\n"
+        "h = open(p, 'a+b'); fcntl.flock(h, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True); sys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (fetch_module.fetch("mnist", str(root), progress=False), done.set()))
+        waiter.start()
+        assert not done.wait(0.5) and server.calls == []  # blocked by the other process's lock
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.wait(10), "the fetch must go ahead once the holder is gone"
+    waiter.join()
+    assert (root / "mnist" / "mnist.npz.xz").is_file() and (root / ".downloads" / "mnist.lock").exists()

@@ -3,11 +3,13 @@ DP-SGD, and the epsilon reported against Opacus' own analysis."""
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+import dp_accounting
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from torch import nn
@@ -43,9 +45,19 @@ def model_params(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {"body.w": scale * torch.randn(50, 40, generator=gen), "head.b": scale * torch.randn(10, generator=gen)}
 
 
-def dp_mean(cids, reference, clip, noise, rnd=1, seed=0):
-    return ClientDPMean("params", cids, reference, lambda mean: mean, None, ClientDP(clip, noise, seed), rnd,
-                        lambda *args: None)
+def dp_mean(cids, reference, clip, noise, rnd=1, seed=0, expected=None):
+    return ClientDPMean("params", cids, reference, lambda mean: mean, None, ClientDP(clip, noise, seed, expected),
+                        rnd, lambda *args: None)
+
+
+def without_replacement_epsilon(z: float, population: int, sampled: int, rounds: int, delta: float = DELTA) -> float:
+    """Independently of pfedkit: dp_accounting's RDP analysis of m of N sampled without replacement
+    (replace-one). Replacing one client's clipped update moves the sum by up to 2C, so the noise
+    z C is z / 2 times the sensitivity."""
+    accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+        population, sampled, dp_accounting.GaussianDpEvent(z / 2)), rounds)
+    return accountant.get_epsilon(delta)
 
 
 def opacus_epsilon(sigma: float, q: float, steps: int, delta: float = DELTA) -> float:
@@ -165,22 +177,81 @@ def test_noisy_run_repeats_exactly_and_differs_from_the_plain_run(equal_clients)
     assert not np.array_equal(first.metrics["loss"].dropna(), plain.metrics["loss"].dropna())
 
 
-def test_reported_epsilon_equals_opacus_for_the_client_sampling_rate(equal_clients):
+def test_fixed_size_sampling_epsilon_equals_dp_accountings_without_replacement(equal_clients):
     config = {**equal_clients, "rounds": 3, "join_ratio": 0.5,
               "dp": {"level": "client", "clip": 1.0, "noise_multiplier": 0.8, "delta": DELTA}}
     result = pfedkit.run(config)
     per_round = pd.read_csv(result.run_dir / "metrics.csv").groupby("round")["epsilon"].agg(["min", "max"])
     assert (per_round["min"] == per_round["max"]).all()
-    q = 2 / 4  # m = round(0.5 * 4) clients sampled of N = 4
+    for rnd in (1, 2, 3):  # m = round(0.5 * 4) = 2 clients sampled of N = 4
+        assert per_round.loc[rnd, "max"] == pytest.approx(without_replacement_epsilon(0.8, 4, 2, rnd), rel=1e-9)
+    assert result.summary["epsilon"] == pytest.approx(without_replacement_epsilon(0.8, 4, 2, 3), rel=1e-9)
+    assert result.summary["dp_client_sampling_rate"] == 2 / 4
+    assert result.summary["dp_client_sampling"] == "fixed" and result.summary["dp_adjacency"] == "replace-one"
+
+
+def test_fixed_size_epsilon_without_subsampling_is_the_gaussian_at_half_the_noise_multiplier():
+    """Cross-check of the 2C sensitivity by another library: with m = N there is no subsampling, and
+    the replace-one Gaussian mechanism of ratio z / 2 has the RDP curve of Opacus' analysis at q = 1,
+    z / 2 (the two libraries' grids of orders differ slightly)."""
+    from pfedkit.privacy.accounting import PrivacyBudget
+
+    budget = PrivacyBudget("client", 1.5, DELTA, "rdp", None, lambda rnd: [0, 1, 2, 3], 4)
+    for rounds in (1, 5, 20):
+        assert budget.epsilon_after([], rounds) == pytest.approx(opacus_epsilon(0.75, 1.0, rounds), rel=0.03)
+        assert budget.epsilon_after([], rounds) > 1.5 * opacus_epsilon(1.5, 1.0, rounds)
+
+
+def test_poisson_sampling_epsilon_equals_opacus_and_the_denominator_is_q_n(equal_clients):
+    config = {**equal_clients, "rounds": 3, "join_ratio": 0.5, "participants": "poisson",
+              "dp": {"level": "client", "clip": 1.0, "noise_multiplier": 0.8, "delta": DELTA}}
+    result = pfedkit.run(config)
+    per_round = pd.read_csv(result.run_dir / "metrics.csv").groupby("round")["epsilon"].max()
     for rnd in (1, 2, 3):
-        assert per_round.loc[rnd, "max"] == pytest.approx(opacus_epsilon(0.8, q, rnd), rel=1e-9)
-    assert result.summary["epsilon"] == pytest.approx(opacus_epsilon(0.8, q, 3), rel=1e-9)
-    assert result.summary["dp_client_sampling_rate"] == q
+        assert per_round[rnd] == pytest.approx(opacus_epsilon(0.8, 0.5, rnd), rel=1e-9)
+    assert result.summary["dp_client_sampling"] == "poisson" and result.summary["dp_adjacency"] == "add-remove-one"
+    assert result.summary["dp_client_sampling_rate"] == 0.5
+    prv = pfedkit.run({**config, "name": "prv", "dp": {**config["dp"], "accountant": "prv"}})
+    accountant = PRVAccountant()
+    accountant.history = [(0.8, 0.5, 3)]
+    assert prv.summary["epsilon"] == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-9)
+
+
+def test_poisson_mean_divides_by_the_expected_count_and_an_empty_round_is_noised():
+    reference = model_params(0)
+    uploads = {cid: {name: value + 0.01 * (cid + 1) for name, value in reference.items()} for cid in (1, 2)}
+    aggregation = dp_mean([1, 2], reference, clip=1e30, noise=0.0, expected=4.0)
+    for cid, upload in uploads.items():
+        aggregation.add(cid, {"params": upload, "weight": 123.0})
+    mean = aggregation.finish()
+    for name in reference:  # w0 + (Delta_1 + Delta_2) / (q N), not / m
+        expected = reference[name] + ((uploads[1][name] - reference[name]) + (uploads[2][name] - reference[name])) / 4
+        torch.testing.assert_close(mean[name], expected, rtol=0, atol=1e-6)
+    empty = dp_mean([], reference, clip=2.0, noise=1.5, expected=4.0).finish()
+    noise = torch.cat([(empty[name] - reference[name]).flatten() for name in reference])
+    assert noise.std().item() == pytest.approx(1.5 * 2.0 / 4.0, rel=0.06)  # z C / (q N), 2010 draws
+    assert abs(noise.mean().item()) < 0.05
+    assert dp_mean([], reference, clip=2.0, noise=1.5).finish() is None  # fixed-size: no round without clients
+
+
+def test_fixed_size_client_dp_refuses_prv_and_a_missing_accountant_names_the_extra(equal_clients, monkeypatch,
+                                                                                 tmp_path):
+    with pytest.raises(ConfigError) as err:
+        pfedkit.run({**equal_clients, "dp": {"level": "client", "accountant": "prv"}})
+    assert "\n" not in str(err.value) and "dp.accountant=prv" in str(err.value) and "poisson" in str(err.value)
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # the import fails as if not installed
+    with pytest.raises(ConfigError) as err:
+        pfedkit.run({**equal_clients, "dp": {"level": "client"}})
+    assert "\n" not in str(err.value) and "pip install 'pfedkit[dp]'" in str(err.value)
+    assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+    # Poisson sampling is accounted by Opacus: runs without dp_accounting
+    assert pfedkit.run({**equal_clients, "rounds": 1, "participants": "poisson",
+                        "dp": {"level": "client"}}).summary["epsilon"] > 0
 
 
 def test_run_stops_before_a_round_that_would_exceed_target_epsilon(equal_clients, capsys):
-    sigma = 1.2
-    target = (opacus_epsilon(sigma, 1.0, 2) + opacus_epsilon(sigma, 1.0, 3)) / 2  # between rounds 2 and 3
+    sigma = 2.4  # m = N = 4: no subsampling; replace-one Gaussian at ratio 1.2
+    target = (without_replacement_epsilon(sigma, 4, 4, 2) + without_replacement_epsilon(sigma, 4, 4, 3)) / 2
     result = pfedkit.run({**equal_clients, "rounds": 6,
                           "dp": {"level": "client", "noise_multiplier": sigma, "target_epsilon": target}})
     metrics = pd.read_csv(result.run_dir / "metrics.csv")
@@ -317,3 +388,22 @@ def test_sample_level_epsilon_is_the_worst_clients_opacus_epsilon(equal_clients)
     expected = max(opacus_epsilon(1.1, min(1.0, 20 / n_train[c]), int(steps[c])) for c in steps.index)
     assert result.summary["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert metrics.loc[metrics["round"] == 2, "epsilon"].iloc[0] == pytest.approx(expected, rel=1e-9)
+
+
+def test_calibrated_noise_is_the_smallest_that_keeps_epsilon_within_the_target():
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from pfedkit.privacy.accounting import epsilon
+    from pfedkit.privacy.calibrate import noise_for_epsilon
+
+    def epsilon_at(z):
+        return epsilon(z, 0.2, 50, 1e-5)
+
+    for target in (1.0, 4.0, 8.0):
+        z = noise_for_epsilon(epsilon_at, target)
+        assert epsilon_at(z) <= target < epsilon_at(z * (1 - 1e-3))
+        # Opacus' own calibration (a coarser search of the same accountant) lands within 1%
+        assert z == pytest.approx(get_noise_multiplier(target_epsilon=target, target_delta=1e-5, sample_rate=0.2,
+                                                       steps=50, accountant="rdp"), rel=1e-2)
+    with pytest.raises(ValueError, match="out of reach"):
+        noise_for_epsilon(epsilon_at, 1e-9, high=10.0)

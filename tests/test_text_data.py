@@ -156,3 +156,50 @@ def test_two_rounds_on_ag_news_learn_the_fixture(served, tmp_path, backend):
     assert result.summary["model"] == "fasttext"
     # The fixture's topics share no words: two rounds must beat chance (25%) by far.
     assert result.summary["final_acc"] > 0.6
+
+
+def _checkpoint(run_dir):
+    return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+
+
+def test_fedper_shares_the_fasttext_body_and_keeps_each_head(served, tmp_path):
+    """fasttext's body/head split under FedPer: the server holds exactly the body (embedding + fc1)
+    and averages it as FedAvg does; each client keeps its own head (fc), which is never averaged."""
+    root = tmp_path / "data"
+    fetch_module.fetch("ag_news", str(root), progress=False)
+    base = {"dataset": "ag_news", "data_dir": str(root), "num_clients": 3, "threads": 1, "lr": 0.5,
+            "batch_size": 8, "seed": 1, "backend": "sequential", "out_dir": str(tmp_path / "runs"),
+            "partition": {"scheme": "dirichlet", "alpha": 1.0}}
+    for name, algorithm, rounds in (("avg1", "fedavg", 1), ("per1", "fedper", 1), ("per2", "fedper", 2)):
+        run({**base, "algorithm": algorithm, "rounds": rounds, "name": name})
+    runs = tmp_path / "runs"
+    body = {"body.embedding.embedding.weight", "body.fc1.weight", "body.fc1.bias"}
+    head = {"head.fc.weight", "head.fc.bias"}
+
+    # Round 1 starts every client from the same model under both algorithms, so the local training
+    # is the same: FedPer's body is FedAvg's averaged body, and FedAvg's head is the n_i-weighted
+    # mean of FedPer's private heads (which FedPer never averages).
+    fedavg, fedper = _checkpoint(runs / "avg1").server["params"], _checkpoint(runs / "per1")
+    assert set(fedper.server["shared"]) == body
+    for key in body:
+        assert torch.allclose(fedper.server["shared"][key], fedavg[key], atol=1e-6), key
+    with np.load(runs / "per1" / "partition.npz") as saved:
+        weights = torch.tensor([len(saved[f"train_{c}"]) for c in range(3)], dtype=torch.float64)
+    weights = weights / weights.sum()
+    for key in head:
+        mean = sum(w * client["private"][key].double() for w, client in zip(weights, fedper.clients))
+        assert torch.allclose(mean.float(), fedavg[key], atol=1e-6), key
+
+    # After two rounds: one shared body on the server, three different personal heads.
+    state = _checkpoint(runs / "per2")
+    assert set(state.server["shared"]) == body and all(set(c["private"]) == head for c in state.clients)
+    heads = [c["private"]["head.fc.weight"] for c in state.clients]
+    assert all(not torch.equal(heads[i], heads[j]) for i in range(3) for j in range(i + 1, 3))
+    from pfedkit.algorithms import get_algorithm
+
+    client_model = get_algorithm("fedper").client_model  # the evaluated model; it reads no hyperparameter
+    models = [client_model(None, c, state.server, client) for c, client in enumerate(state.clients)]
+    for key in body:  # every client evaluates the same body ...
+        assert all(torch.equal(models[0][key], m[key]) for m in models[1:])
+    for model, client in zip(models, state.clients):  # ... with its own head
+        assert all(torch.equal(model[key], client["private"][key]) for key in head)

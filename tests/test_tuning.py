@@ -245,3 +245,55 @@ def test_every_shipped_space_names_real_options_within_their_limits():
         space, note = space_for(spaces, name)
         assert note is None and "lr" in space
         check_space(base_config(algorithm=name), space, "shipped")  # ConfigError if a key or end is refused
+
+
+# ---- pruning and Flower --------------------------------------------------------------------------
+
+def test_the_median_pruner_stops_a_trial_below_the_median_of_earlier_trials(tmp_path, monkeypatch):
+    """The real MedianPruner: after PRUNER_STARTUP_TRIALS trials reporting 0.5 each round (stand-ins,
+    for speed), a real simulation whose validation accuracy is reported as 0 is pruned at the first
+    round the pruner may act on (its simulation stops there), and a next trial above the median
+    completes."""
+    from pfedkit.experiments import tuning
+
+    space = tmp_path / "space.yaml"
+    space.write_text("common:\n  lr: {type: categorical, choices: [0.05]}\n")
+    real_run_trial, calls = tuning.run_trial, []
+    hopeless = tuning.PRUNER_STARTUP_TRIALS  # the trial after the startup ones
+
+    def run_trial(config, report):
+        calls.append(config.rounds)
+        if len(calls) == hopeless + 1:  # a real simulation, reported hopeless: stopped after round 1
+            return real_run_trial(config, lambda rnd, accuracy: report(rnd, 0.0))
+        value = 0.5 if len(calls) <= hopeless else 0.6  # the startup trials, then one above their median
+        for rnd in range(1, config.rounds + 1):
+            report(rnd, value)
+        return value, None
+
+    monkeypatch.setattr(tuning, "run_trial", run_trial)
+    config = load_config({**BASE, "algorithm": "fedavg", "rounds": 4, "num_clients": 2})
+    lines = []
+    tune(config, hopeless + 2, tmp_path / "out", space, log=lines.append)
+    study = optuna.load_study(study_name="fedavg", storage=f"sqlite:///{tmp_path / 'out' / 'fedavg' / STUDY_DB}")
+    states = [trial.state.name for trial in study.get_trials()]
+    assert states == ["COMPLETE"] * hopeless + ["PRUNED", "COMPLETE"]
+    pruned = study.get_trials()[hopeless]
+    assert sorted(pruned.intermediate_values) == [max(1, config.rounds // 4)]  # stopped there, not run to the end
+    assert len(study.get_trials()[0].intermediate_values) == config.rounds
+    assert any("pruned at round 1" in line for line in lines)
+    assert study.get_trials()[-1].value == 0.6 and len(calls) == hopeless + 2
+
+
+@pytest.mark.parametrize("command", ["simulate", "app"])
+def test_flower_refuses_a_validation_split_in_one_line(tmp_path, capsys, command):
+    pytest.importorskip("flwr")
+    args = ["flower", command] + ([str(tmp_path / "app")] if command == "app" else [])
+    code = main(args + ["dataset=digits", "num_clients=2", "validation_fraction=0.2", f"out_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "validation_fraction" in err and "allowed" in err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "app").exists()
+    from pfedkit.config import ConfigError
+    from pfedkit.flower.server import serve
+
+    with pytest.raises(ConfigError, match="validation_fraction"):  # a ServerApp started by hand refuses too
+        serve(None, load_config({**BASE, "validation_fraction": 0.2}))

@@ -107,7 +107,7 @@ def params_mean_aggregation(algorithm, defining: type, rnd: int, server: Any, ci
         # every algorithm aggregating through here gets it. The reference is the broadcast model.
         from pfedkit.privacy.client_dp import ClientDPMean
 
-        return ClientDPMean("params", cids, server[server_key] if cids else None, lambda mean: {server_key: mean},
+        return ClientDPMean("params", cids, server[server_key] if server is not None else None, lambda mean: {server_key: mean},
                             server, algorithm.client_dp, rnd, algorithm.record)
     counts = algorithm.setup.train_counts  # n_i: the participants' training-set sizes
     return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},

@@ -466,6 +466,8 @@ class PFedCS(Algorithm):
 
     def customised_classifiers(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Params]:
         """Eq. 3-8 for the round's participants: v_k for each, recorded for the report."""
+        if not cids:  # a round nobody joined (participants=poisson)
+            return {}
         cids = sorted(cids)
         heads = [server["heads"].get(cid, server["initial_head"]) for cid in cids]
         counts = self.known_counts(server["counts"], cids)

@@ -12,6 +12,16 @@ FEMNIST (`flwrlabs/femnist`, LEAF's FEMNIST) is read with the Hugging Face `data
 optional `hf` extra); its file also holds `writer` (each image's writer, an index) and
 `writer_names` (the writer ids), for `partition.scheme=natural`. It has no official test split.
 Tiny-ImageNet: the cs231n zip; its `val` split (labelled) is the official test split.
+
+Two fetches of the same dataset into the same data directory (two terminals, two jobs of a cluster
+on a shared disk) would append to the same `.part` file and convert it twice. A fetch therefore
+holds an exclusive lock, `<data dir>/.downloads/<name>.lock` (`fcntl.flock`), from its first look
+at the target to its last write. A second fetch says so in one line and *waits*; when it gets the
+lock the file is there and it returns at once ("already present"). Waiting, not refusing: a script
+that fetches before it runs should not fail because a neighbour fetched first; Ctrl-C stops the
+wait. flock locks die with their process, so a killed fetch leaves no stale lock (the lock file
+itself stays, empty: deleting it could let a third fetch lock a different file). Where `fcntl` does
+not exist (Windows), fetches are not locked.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,10 +380,49 @@ def dataset_path(root: Path, name: str) -> Path:
 
 def fetch(name: str, data_dir: str | None = None, progress: bool = True) -> Path:
     """The path of `name`'s dataset file in the data directory, downloaded and converted if it is
-    not there yet (a file already present is used as it is). DataError (one line) on failure."""
+    not there yet (a file already present is used as it is). DataError (one line) on failure.
+    Holds `<data dir>/.downloads/<name>.lock` meanwhile: a concurrent fetch of `name` waits."""
     if name in DATASETS and DATASETS[name].source is not None:  # a class subset: its rows are in another file
         _say(f"{name}: a class subset of {DATASETS[name].source}; fetching {DATASETS[name].source}")
         name = DATASETS[name].source
+    root = resolve_data_dir(data_dir)
+    if root is None or name not in fetchable():  # _fetch_locked says why in one line
+        return _fetch_locked(name, data_dir, progress)
+    with fetch_lock(root, name):
+        return _fetch_locked(name, data_dir, progress)
+
+
+@contextmanager
+def fetch_lock(root: Path, name: str):
+    """Exclusive lock on `root/.downloads/<name>.lock` for the body of the `with` (module docstring):
+    taken at once when free, else after one line on stderr, waiting for the holder to finish."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; fetches are not locked
+        yield
+        return
+    path = root / ".downloads" / f"{name}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+b")
+    except OSError as err:
+        raise DataError(f"data fetch {name}: cannot create the lock file {path} ({err.strerror}); "
+                        "is the data directory writable?") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"{name}: another `pfedkit data fetch {name}` is writing to {root} (lock {path}); "
+                 "waiting for it to finish (Ctrl-C to stop)")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fetch_locked(name: str, data_dir: str | None, progress: bool) -> Path:
+    """fetch() once the lock is held: the target if present, else download, convert, write."""
     if name == "ag_news":  # text: tokenised, not converted to images (pfedkit/data/text.py)
         from pfedkit.data.text import fetch_text
 

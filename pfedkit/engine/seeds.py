@@ -27,15 +27,37 @@ def torch_generator(seed: int, rnd: int, client: int, purpose: str) -> torch.Gen
     return torch.Generator().manual_seed(derive_seed(seed, rnd, client, purpose))
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float,
-                   rounding: str = "round") -> list[int]:
-    """The round's participants, sorted: round(join_ratio * N) clients, or int(join_ratio * N)
-    with rounding="floor" (PFLlib), at least 1."""
+SAMPLING_MODES = ("round", "floor", "poisson")
+
+
+def sample_count(num_clients: int, join_ratio: float, rounding: str = "round") -> int:
+    """m, the clients a fixed-size round samples: round(join_ratio * N), or int(join_ratio * N) with
+    rounding="floor" (PFLlib), at least 1 and at most N."""
     if rounding not in ("round", "floor"):
         raise ValueError(f"rounding must be 'round' or 'floor', got {rounding!r}")
     scaled = join_ratio * num_clients
-    count = max(1, int(scaled) if rounding == "floor" else int(round(scaled)))
+    return min(num_clients, max(1, int(scaled) if rounding == "floor" else int(round(scaled))))
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, join_ratio: float,
+                   rounding: str = "round") -> list[int]:
+    """The round's participants, sorted: `sample_count` clients drawn without replacement
+    ("round", "floor"), or with rounding="poisson" each client independently with probability
+    join_ratio (the count varies from round to round and may be 0: Poisson sampling, which is what
+    the Poisson privacy accountants analyse; docs/privacy.md)."""
+    if rounding not in SAMPLING_MODES:
+        raise ValueError(f"rounding must be one of {SAMPLING_MODES}, got {rounding!r}")
+    rng = numpy_rng(seed, rnd, SERVER, "client-sampling")
+    if rounding == "poisson":
+        return [int(c) for c in np.flatnonzero(rng.random(num_clients) < join_ratio)]
+    count = sample_count(num_clients, join_ratio, rounding)
     if count >= num_clients:
         return list(range(num_clients))
-    chosen = numpy_rng(seed, rnd, SERVER, "client-sampling").choice(num_clients, size=count, replace=False)
+    chosen = rng.choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)
+
+
+def round_participants(seed: int, rnd: int, pool: list[int], join_ratio: float, rounding: str = "round") -> list[int]:
+    """The clients of `pool` (the training clients, in order) sampled in round `rnd`: the one draw
+    the round loop and the privacy accountant both use."""
+    return [pool[k] for k in sample_clients(seed, rnd, len(pool), join_ratio, rounding)]

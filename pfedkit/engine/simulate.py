@@ -29,7 +29,7 @@ from pfedkit.config import ConfigError
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
 from pfedkit.engine.runtime import compute_threads, resolved_threads
-from pfedkit.engine.seeds import SERVER, numpy_rng, sample_clients
+from pfedkit.engine.seeds import SERVER, numpy_rng, round_participants
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
 
@@ -373,8 +373,7 @@ class Simulation:
         algo.diagnostics = state.diagnostics
         started = time.perf_counter()
         # Sampled among the training clients (all N without new clients: the same draw as ever).
-        pool = self.training_clients
-        cids = [pool[k] for k in sample_clients(self.seed, rnd, len(pool), self.join_ratio, self.participants)]
+        cids = round_participants(self.seed, rnd, self.training_clients, self.join_ratio, self.participants)
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
         aggregation, reply_bytes = algo.start_aggregation(rnd, state.server, cids), {}

@@ -19,7 +19,7 @@ from scipy.stats import kendalltau, rankdata
 
 from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import ConfigWarning, deep_merge, parse_overrides
+from pfedkit.config import ConfigError, ConfigWarning, deep_merge, parse_overrides
 from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
                                             write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper
@@ -209,6 +209,27 @@ def data_status(paper: Paper, table: Table, data_dir: str | None = None) -> str:
     return "data: " + "; ".join(parts)
 
 
+def check_data(plan: Plan) -> None:
+    """ConfigError (one line) naming the `pfedkit data fetch` commands when a file the plan's cells
+    read (after overrides: dataset=, data_dir=) is not in their data directory."""
+    from pfedkit.data.datasets import DATASETS, data_present, resolve_data_dir
+
+    missing, where = [], None
+    for entry in plan.entries:
+        info = DATASETS.get(entry.config.get("dataset", ""))
+        data_dir = entry.config.get("data_dir")
+        if info is not None and not info.embedded and info.file_name not in missing \
+                and not data_present(info.file_name, data_dir):
+            missing.append(info.file_name)
+            where = resolve_data_dir(data_dir)
+    if missing:
+        place = f"not in {where}" if where is not None else \
+            "missing: no data directory (set data_dir=DIR or PFEDKIT_DATA)"
+        commands = "; ".join(f"pfedkit data fetch {name} --data-dir DIR" for name in missing)
+        raise ConfigError(f"reproduce {plan.paper.paper} --table {plan.table.id}: data {', '.join(missing)} {place}; "
+                          f"get it with {commands}")
+
+
 def list_paper(paper: Paper, data_dir: str | None = None) -> str:
     """`reproduce PAPER --list`: tables with their source, columns, rows, seeds, budgets and whether
     their data is present (in data_dir, else PFEDKIT_DATA)."""
@@ -252,6 +273,8 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
     out_root = parse_overrides(overrides or []).get("out_dir", "runs")
     outs = [Path(out) / plan.table.id if out and len(plans) > 1 else Path(out) if out
             else default_out(paper, plan.table, budget_name, out_root) for plan in plans]
+    for plan in plans:  # a missing dataset stops the command before any directory is made
+        check_data(plan)
     for plan, out_dir in zip(plans, outs):  # every cell of every table validated before the first run
         plan_runs(out_dir, plan.entries, plan.seeds)
     return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]

@@ -17,7 +17,17 @@ def _config(items: list[str]):
     from pfedkit.cli import split_config_and_overrides
 
     source, overrides = split_config_and_overrides(items)
-    return load_config(source, overrides)
+    return check_flower_config(load_config(source, overrides))
+
+
+def check_flower_config(config):
+    """Refuse what Flower nodes cannot honour (one line). Nodes build their own partitions
+    (`pfedkit.flower.node`) without carving a validation split, so with validation_fraction > 0
+    the server would count and evaluate other samples than the nodes train on."""
+    if config.validation_fraction > 0:
+        raise ConfigError(f"validation_fraction={config.validation_fraction:g}: Flower nodes do not carve "
+                          "validation splits; allowed with pfedkit flower: 0 (tune with pfedkit tune / pfedkit run)")
+    return config
 
 
 def _require_flower() -> None:

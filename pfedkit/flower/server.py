@@ -144,7 +144,9 @@ def serve(grid: Grid, config: Config, quiet: bool = True):
     from pfedkit import runs
     from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import build_federated
+    from pfedkit.flower.commands import check_flower_config
 
+    check_flower_config(config)  # also for an app started by hand (flwr run)
     dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
     data = build_federated(config, dataset, runs.uses_channels_last(config, dataset.input_shape))
     algorithm, _ = runs.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())

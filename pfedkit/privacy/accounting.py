@@ -1,15 +1,19 @@
-"""epsilon from a maintained accountant (Opacus' RDP or PRV), and the run's privacy budget.
+"""epsilon from maintained accountants, and the run's privacy budget.
 
-Client level: one Gaussian mechanism per round, subsampled with rate q = m / N (m clients sampled
-of N). Sample level: each client's own DP-SGD, one mechanism per local step with rate
-q_i = batch_size / n_i, counted over the steps the client actually ran (metrics.csv `train_steps`);
-the run reports the worst client's epsilon.
-
-The approximation (documented in docs/privacy.md): Opacus' accountants analyse POISSON subsampling
-(each client / sample joins independently with probability q). pfedkit samples exactly m clients per
-round without replacement, and local training walks shuffled fixed-size batches; both are accounted
-as Poisson sampling with the same q, the usual practice, not a proof for the sampling used. With
-join_ratio = 1 (q = 1) there is no amplification and the client-level figure is exact.
+Client level: one Gaussian mechanism per round. How the round's clients are drawn decides the analysis:
+- fixed-size sampling (`participants=round|floor`: m of the N training clients, without
+  replacement): Google's dp_accounting RDP analysis of sampling without replacement (Wang, Balle,
+  Kasiviswanathan, AISTATS 2019), exact for this sampling. Its neighbouring relation is REPLACE-ONE
+  (N is public; one client's data is swapped for anyone else's). Swapping one clipped update for
+  another moves the sum by up to 2C (two updates of norm <= C pointing opposite ways), so the
+  mechanism's noise / sensitivity ratio is z C / 2C = z / 2, and that is what is accounted.
+- Poisson sampling (`participants=poisson`, each client joins with probability q = join_ratio):
+  Opacus' RDP or PRV accountant (`dp.accountant`), add/remove-one adjacency, sensitivity C / (q N)
+  against noise z C / (q N): ratio z.
+Sample level: each client's own DP-SGD, one mechanism per local step with rate q_i = batch_size /
+n_i, counted over the steps the client actually ran (metrics.csv `train_steps`); the run reports the
+worst client's epsilon. Opacus' Poisson analysis of that rate; local training walks shuffled
+fixed-size batches, so this one stays an approximation (documented in docs/privacy.md).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 ACCOUNTANTS = ("rdp", "prv")
+INSTALL_HINT = "pip install 'pfedkit[dp]'"
 
 
 def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
@@ -48,11 +53,33 @@ def epsilon_of_history(history: Sequence[tuple[float, float, int]], delta: float
         return float(acc.get_epsilon(delta))
 
 
+def epsilon_without_replacement(noise_multiplier: float, population: int, sampled: int, steps: int,
+                                delta: float) -> float:
+    """The epsilon of `steps` compositions of the Gaussian mechanism run on `sampled` of `population`
+    records drawn uniformly without replacement, at `delta`, under replace-one adjacency, by
+    dp_accounting's RDP accountant. `noise_multiplier`: noise std / the L2 sensitivity under
+    replace-one (for a sum of updates clipped to C that sensitivity is 2C)."""
+    if steps <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ImportError(f"client-level DP accounting needs the dp-accounting package: {INSTALL_HINT}") from None
+    accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    event = dp_accounting.SampledWithoutReplacementDpEvent(
+        int(population), int(sampled), dp_accounting.GaussianDpEvent(float(noise_multiplier)))
+    accountant.compose(event, int(steps))
+    return float(accountant.get_epsilon(delta))
+
+
 class PrivacyBudget:
     """The run's epsilon round by round, read from the metrics rows (so a resumed run recounts
     exactly), and whether the next round would exceed `target_epsilon`.
 
-    level "client": epsilon(z, m / N, rounds done). level "sample": max over clients of
+    level "client", `client_sampling` "fixed": epsilon_without_replacement(z / 2, N, m, rounds done);
+    "poisson": epsilon(z, q = join_ratio, rounds done). level "sample": max over clients of
     epsilon(z_s, min(1, B / n_i), DP-SGD steps client i ran); before a round, each of its
     participants is expected to run as many steps as in its previous participation (its first:
     local_epochs passes over its data in batches of B): exact for methods whose local work is the
@@ -60,22 +87,42 @@ class PrivacyBudget:
 
     def __init__(self, level: str, noise_multiplier: float, delta: float, accountant: str,
                  target_epsilon: float | None, participants: Callable[[int], list[int]], num_clients: int,
-                 n_train: Sequence[int] = (), batch_size: int = 1, local_epochs: int = 1, drop_last: bool = False) -> None:
+                 n_train: Sequence[int] = (), batch_size: int = 1, local_epochs: int = 1, drop_last: bool = False,
+                 client_sampling: str = "fixed", join_ratio: float = 1.0) -> None:
         if level not in ("client", "sample"):
             raise ValueError(f"level must be 'client' or 'sample', got {level!r}")
+        if client_sampling not in ("fixed", "poisson"):
+            raise ValueError(f"client_sampling must be 'fixed' or 'poisson', got {client_sampling!r}")
+        self.client_sampling, self.join_ratio = client_sampling, join_ratio
         self.level, self.noise_multiplier, self.delta, self.accountant = level, noise_multiplier, delta, accountant
         # participants(rnd): the clients sampled in round rnd (the engine's seeded draw);
         # num_clients: how many clients that draw picks from (N, less the new clients kept out)
         self.target_epsilon, self.participants, self.num_clients = target_epsilon, participants, num_clients
-        self.sampled = len(participants(1))  # m, the same every round
+        # fixed-size: m, the same every round; Poisson: the count varies (its mean is q N)
+        self.sampled = len(participants(1)) if client_sampling == "fixed" else None
         self.n_train, self.batch_size = list(n_train), batch_size
         self.local_epochs, self.drop_last = local_epochs, drop_last
         self._cache: dict[tuple[float, int], float] = {}
 
     @property
     def client_rate(self) -> float:
-        """q = m / N: the chance a given client is in a round's sample."""
-        return self.sampled / self.num_clients
+        """q: the chance a given client is in a round's sample (m / N, or join_ratio under Poisson)."""
+        return self.join_ratio if self.sampled is None else self.sampled / self.num_clients
+
+    @property
+    def adjacency(self) -> str:
+        """The neighbouring relation the reported epsilon is for."""
+        return "replace-one" if self.level == "client" and self.client_sampling == "fixed" else "add-remove-one"
+
+    def _client_epsilon(self, rounds: int) -> float:
+        key = (-1.0, rounds)
+        if key not in self._cache:
+            if self.client_sampling == "fixed":  # replace-one sensitivity 2C against noise z C: ratio z / 2
+                self._cache[key] = epsilon_without_replacement(self.noise_multiplier / 2, self.num_clients,
+                                                               self.sampled, rounds, self.delta)
+            else:
+                self._cache[key] = epsilon(self.noise_multiplier, self.join_ratio, rounds, self.delta, self.accountant)
+        return self._cache[key]
 
     def sample_rate(self, cid: int) -> float:
         """q_i = B / n_i: the chance a given sample of client cid is in one of its mini-batches."""
@@ -98,7 +145,7 @@ class PrivacyBudget:
     def epsilon_after(self, rows: Sequence[dict], rnd: int) -> float:
         """The run's epsilon once round `rnd` is done."""
         if self.level == "client":
-            return self._epsilon(self.client_rate, rnd)
+            return self._client_epsilon(rnd)
         steps = self.client_steps(rows, rnd)
         return max((self._epsilon(self.sample_rate(cid), k) for cid, k in steps.items()), default=0.0)
 
@@ -113,7 +160,7 @@ class PrivacyBudget:
     def epsilon_next(self, rows: Sequence[dict], done: int, participants: Sequence[int]) -> float:
         """The run's epsilon if round done + 1 runs with these participants."""
         if self.level == "client":
-            return self._epsilon(self.client_rate, done + 1)
+            return self._client_epsilon(done + 1)
         steps = self.client_steps(rows, done)
         for cid in participants:
             steps[cid] = steps.get(cid, 0) + self.expected_steps(rows, cid)
@@ -142,5 +189,7 @@ class PrivacyBudget:
         rate = self.client_rate if self.level == "client" else None
         return {"dp_level": self.level, "epsilon": self.epsilon_after(rows, done), "delta": self.delta,
                 "dp_accountant": self.accountant, "dp_noise_multiplier": self.noise_multiplier,
-                "dp_client_sampling_rate": rate, "dp_target_epsilon": self.target_epsilon,
+                "dp_client_sampling_rate": rate,
+                "dp_client_sampling": self.client_sampling if self.level == "client" else None,
+                "dp_adjacency": self.adjacency, "dp_target_epsilon": self.target_epsilon,
                 "dp_stopped_early": done < planned}

@@ -11,6 +11,15 @@ forms
 with C = `dp.clip`, z = `dp.noise_multiplier` and m the number of clients SAMPLED this round (a
 client that never replies counts as a zero update, so the denominator never depends on who answered).
 
+With Poisson client sampling (`participants=poisson`: each client joins with probability q) the
+count varies, so the denominator is the EXPECTED count q N instead (McMahan et al.'s fixed-
+denominator estimator):
+
+    w = w0 + (1 / (q N)) sum_i clip(Delta_i) + N(0, (z C / (q N))^2 I)
+
+an unbiased estimate of the mean update whose sensitivity to adding or removing one client is
+C / (q N) whatever the round's draw; a round nobody joined still releases w0 plus the noise.
+
 Why uniform weights: with fixed m, adding or removing one client changes sum_i clip(Delta_i) by at
 most C, so the mean moves by at most C / m: the Gaussian mechanism's sensitivity. FedAvg's
 sample-size weights n_i / sum_j n_j break that bound: one client with a large n_i can carry almost
@@ -44,6 +53,8 @@ class ClientDP:
     clip: float
     noise_multiplier: float
     seed: int
+    # participants=poisson: q N, the fixed denominator; None: the round's m (fixed-size sampling)
+    expected_participants: float | None = None
 
 
 def update_norm(params: Params, reference: Params) -> float:
@@ -67,8 +78,9 @@ def clipped_model(params: Params, reference: Params, clip: float) -> tuple[Param
     return {name: reference[name] + factor * (params[name] - reference[name]) for name in reference}, norm
 
 
-def noise_std(noise_multiplier: float, clip: float, sampled: int) -> float:
-    """z C / m: the Gaussian mechanism's std for the mean of m updates of norm <= C."""
+def noise_std(noise_multiplier: float, clip: float, sampled: float) -> float:
+    """z C / m: the Gaussian mechanism's std for a sum of updates of norm <= C divided by m (the
+    round's sample size, or q N under Poisson sampling)."""
     return noise_multiplier * clip / sampled
 
 
@@ -101,13 +113,21 @@ class ClientDPMean:
         self.uniform.add(cid, {self.key: clipped, "weight": 1.0})
 
     def finish(self) -> Any:
-        if not self.cids:
+        expected = self.settings.expected_participants
+        if not self.cids and expected is None:
             return self.empty
         for cid in self.cids:
             if cid not in self.norms:  # sampled but never replied: a zero update (w0), denominator stays m
                 self.uniform.add(cid, {self.key: self.reference, "weight": 1.0})
-        mean = self.uniform.finish()
-        std = noise_std(self.settings.noise_multiplier, self.settings.clip, len(self.cids))
+        if expected is None:
+            mean, denominator = self.uniform.finish(), len(self.cids)
+        else:  # Poisson: w0 + (sum of clipped updates) / (q N) = w0 + (m / qN) (uniform mean - w0)
+            mean, denominator = self.reference, expected
+            if self.cids:
+                share = len(self.cids) / expected
+                mean = {name: self.reference[name] + share * (value - self.reference[name])
+                        for name, value in self.uniform.finish().items()}
+        std = noise_std(self.settings.noise_multiplier, self.settings.clip, denominator)
         if std > 0:
             mean = add_noise(mean, std, torch_generator(self.settings.seed, self.rnd, SERVER, NOISE_PURPOSE))
         norms = [self.norms[cid] for cid in sorted(self.norms)]

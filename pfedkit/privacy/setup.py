@@ -9,8 +9,8 @@ from typing import Any
 from torch import nn
 
 from pfedkit.config import Config, ConfigError
-from pfedkit.engine.seeds import sample_clients
-from pfedkit.privacy.accounting import PrivacyBudget
+from pfedkit.engine.seeds import round_participants
+from pfedkit.privacy.accounting import INSTALL_HINT, PrivacyBudget
 from pfedkit.privacy.client_dp import ClientDP
 from pfedkit.privacy.dp_sgd import batchnorm_layers
 
@@ -58,16 +58,44 @@ class _NoClients:
     train_counts: Any = ()
 
 
+def client_sampling(config: Config) -> str:
+    """"poisson" (each client joins independently) or "fixed" (m of N without replacement)."""
+    return "poisson" if config.participants == "poisson" else "fixed"
+
+
+def check_accounting(config: Config) -> None:
+    """The accountant `dp` needs is installed and analyses the configured sampling (one line if not).
+    Opacus (RDP or PRV, Poisson sampling): sample level, and client level with participants=poisson;
+    dp_accounting (RDP, sampling without replacement): client level with fixed-size sampling."""
+    if config.dp.level == "none":
+        return
+    fixed = config.dp.level == "client" and client_sampling(config) == "fixed"
+    if fixed and config.dp.accountant != "rdp":
+        raise ConfigError(f"dp.accountant={config.dp.accountant}: client-level DP with participants="
+                          f"{config.participants} (fixed-size sampling without replacement) is accounted by "
+                          "dp_accounting's RDP analysis; allowed: dp.accountant=rdp, or participants=poisson")
+    package, module = ("dp-accounting", "dp_accounting") if fixed else ("opacus", "opacus")
+    try:
+        __import__(module)
+    except ImportError:
+        raise ConfigError(f"dp.level={config.dp.level}: the privacy accountant needs the {package} package: "
+                          f"{INSTALL_HINT}") from None
+
+
 def attach_client_dp(config: Config, algorithm) -> None:
     """Client level: refuse an algorithm whose aggregate is not the mean of updates; else give it
-    the settings `params_mean_aggregation` reads."""
+    the settings `params_mean_aggregation` reads (with Poisson sampling, the fixed denominator q N)."""
+    check_accounting(config)
     if config.dp.level != "client":
         return
     if not aggregates_by_mean(algorithm):
         raise ConfigError(f"dp.level=client: algorithm {algorithm.name} does not aggregate by a mean of model "
                           f"updates, so DP-FedAvg's clipping and noise do not apply; allowed with: "
                           f"{', '.join(mean_algorithms())}")
-    algorithm.client_dp = ClientDP(config.dp.clip, config.dp.noise_multiplier, config.seed)
+    expected = None
+    if client_sampling(config) == "poisson":  # McMahan et al. 2018: the expected count, not the round's
+        expected = config.join_ratio * (algorithm.setup.num_clients - config.new_clients)
+    algorithm.client_dp = ClientDP(config.dp.clip, config.dp.noise_multiplier, config.seed, expected)
 
 
 def check_sample_dp(config: Config, model: nn.Module) -> None:
@@ -91,10 +119,10 @@ def privacy_budget(config: Config, simulation) -> PrivacyBudget | None:
         return None
     pool = list(getattr(simulation, "training_clients", range(simulation.data.num_clients)))
 
-    def participants(rnd: int) -> list[int]:  # Simulation._run_round's draw
-        return [pool[k] for k in sample_clients(config.seed, rnd, len(pool), config.join_ratio, config.participants)]
+    def participants(rnd: int) -> list[int]:  # the round loop's own draw (Simulation._run_round)
+        return round_participants(config.seed, rnd, pool, config.join_ratio, config.participants)
 
     noise = dp.noise_multiplier if dp.level == "client" else dp.sample_noise_multiplier
     return PrivacyBudget(dp.level, noise, dp.delta, dp.accountant, dp.target_epsilon, participants, len(pool),
                          [client.n_train for client in simulation.data.clients], config.batch_size,
-                         config.local_epochs, config.drop_last)
+                         config.local_epochs, config.drop_last, client_sampling(config), config.join_ratio)
