@@ -25,6 +25,7 @@ import pandas as pd
 
 from pfedkit.privacy.accounting import PrivacyBudget
 from pfedkit.privacy.calibrate import noise_for_epsilon
+from pfedkit.engine.simulate import TrainingDiverged
 from pfedkit.runs import run
 
 BASE = {"dataset": "mnist", "num_clients": 50, "join_ratio": 0.2, "rounds": 50, "lr": 0.01, "batch_size": 10,
@@ -67,12 +68,24 @@ def dp_runs(out: Path) -> dict[str, dict]:
 
 
 def finished(out: Path, name: str, config: dict) -> dict:
-    """The run's summary, running it first unless a finished one is there."""
-    summary_file = out / name / "summary.json"
+    """The run's summary, running it first unless a finished one is there. A run whose training
+    diverges (DP noise can blow the model up) is kept as {"diverged": "round R"}."""
+    summary_file, diverged_file = out / name / "summary.json", out / name / "diverged.txt"
+    if diverged_file.is_file():
+        return {"diverged": diverged_file.read_text().strip()}
     if not summary_file.is_file():
-        shutil.rmtree(out / name, ignore_errors=True)
-        print(f"running {name} ...", flush=True)
-        run({**config, "out_dir": str(out), "name": name})
+        half_done = (out / name / "checkpoints" / "latest.pt").is_file()
+        if not half_done:
+            shutil.rmtree(out / name, ignore_errors=True)
+        print(f"{'resuming' if half_done else 'running'} {name} ...", flush=True)
+        try:
+            if half_done:
+                run(resume=out / name)
+            else:
+                run({**config, "out_dir": str(out), "name": name})
+        except TrainingDiverged as err:
+            diverged_file.write_text(f"round {err.round}\n")
+            return {"diverged": f"round {err.round}"}
     return json.loads(summary_file.read_text())
 
 
@@ -99,6 +112,9 @@ def main(data_dir: str, out: Path) -> None:
         noise = dp.get("noise_multiplier", dp.get("sample_noise_multiplier"))
         label = f"{dp['level']}-level DP" if dp else "no DP"
         noise_text = "-" if noise is None else f"{noise:.3f}"
+        if "diverged" in s:
+            print(f"| {label} | {noise_text} | (target {name.rsplit('eps', 1)[-1]}) | diverged in {s['diverged']} | - |")
+            continue
         epsilon_text = "inf" if s.get("epsilon") is None else f"{s['epsilon']:.2f}"
         print(f"| {label} | {noise_text} | {epsilon_text} | {pct(s['last5_acc'])} | {pct(s['best_acc'])} |")
 

@@ -411,7 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_stats.set_defaults(func=cmd_data_stats)
     p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
                                   "(mnist, fashion_mnist, cifar10, cifar100, ...; ag_news: tokenised text)")
-    p_fetch.add_argument("name", help="dataset to fetch")
+    from pfedkit.data.fetch import fetchable
+
+    p_fetch.add_argument("name", help=f"dataset to fetch: {', '.join(fetchable())}")
     p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in (default: $PFEDKIT_DATA)")
     p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_fetch.set_defaults(func=cmd_data_fetch)
