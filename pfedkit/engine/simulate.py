@@ -367,13 +367,17 @@ class Simulation:
         with compute_threads(self.threads):
             return self._run_round(state)
 
+    def round_participants(self, rnd: int) -> list[int]:
+        """The clients sampled in round `rnd`, among the training clients (all N without new
+        clients: the same draw as ever). The privacy accountant reads the same draw."""
+        return round_participants(self.seed, rnd, self.training_clients, self.join_ratio, self.participants)
+
     def _run_round(self, state: SimState) -> RoundReport:
         rnd = state.round + 1
         algo = self.algorithm
         algo.diagnostics = state.diagnostics
         started = time.perf_counter()
-        # Sampled among the training clients (all N without new clients: the same draw as ever).
-        cids = round_participants(self.seed, rnd, self.training_clients, self.join_ratio, self.participants)
+        cids = self.round_participants(rnd)
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
         aggregation, reply_bytes = algo.start_aggregation(rnd, state.server, cids), {}

@@ -9,7 +9,6 @@ from typing import Any
 from torch import nn
 
 from pfedkit.config import Config, ConfigError
-from pfedkit.engine.seeds import round_participants
 from pfedkit.privacy.accounting import INSTALL_HINT, PrivacyBudget
 from pfedkit.privacy.client_dp import ClientDP
 from pfedkit.privacy.dp_sgd import batchnorm_layers
@@ -117,12 +116,8 @@ def privacy_budget(config: Config, simulation) -> PrivacyBudget | None:
     dp = config.dp
     if dp.level == "none":
         return None
-    pool = list(getattr(simulation, "training_clients", range(simulation.data.num_clients)))
-
-    def participants(rnd: int) -> list[int]:  # the round loop's own draw (Simulation._run_round)
-        return round_participants(config.seed, rnd, pool, config.join_ratio, config.participants)
-
     noise = dp.noise_multiplier if dp.level == "client" else dp.sample_noise_multiplier
-    return PrivacyBudget(dp.level, noise, dp.delta, dp.accountant, dp.target_epsilon, participants, len(pool),
+    return PrivacyBudget(dp.level, noise, dp.delta, dp.accountant, dp.target_epsilon, simulation.round_participants,
+                         len(simulation.training_clients),
                          [client.n_train for client in simulation.data.clients], config.batch_size,
                          config.local_epochs, config.drop_last, client_sampling(config), config.join_ratio)
