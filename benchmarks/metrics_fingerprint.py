@@ -1,6 +1,6 @@
 """Every algorithm's metrics.csv on a fixed small config, to check a refactor changes no number.
 
-    python benchmarks/metrics_fingerprint.py OUT_DIR [BACKEND]      # record (before the change)
+    python benchmarks/metrics_fingerprint.py OUT_DIR [BACKEND [ALGORITHM ...]]   # record (before the change)
     python benchmarks/metrics_fingerprint.py OUT2 && for f in OUT_DIR/*.csv; do cmp -s $f OUT2/$(basename $f) || echo DIFF $f; done
 
 Each registered algorithm runs 3 rounds on the embedded `digits` dataset (6 clients, seed 3, one
@@ -19,10 +19,10 @@ from pfedkit.algorithms import algorithm_names
 from pfedkit.runs import run
 
 
-def main(out: Path, backend: str = "sequential") -> None:
+def main(out: Path, backend: str = "sequential", *only: str) -> None:
     warnings.simplefilter("ignore")
     out.mkdir(parents=True, exist_ok=True)
-    for name in algorithm_names():
+    for name in only or algorithm_names():
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 result = run({"algorithm": name, "dataset": "digits", "rounds": 3, "num_clients": 6, "seed": 3,
@@ -35,4 +35,4 @@ def main(out: Path, backend: str = "sequential") -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *(sys.argv[2:3]))
+    main(Path(sys.argv[1]), *sys.argv[2:])

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from pfedkit.engine.simulate import TrainingDiverged
 from pfedkit.privacy.accounting import PrivacyBudget
 from pfedkit.privacy.calibrate import noise_for_epsilon
-from pfedkit.engine.simulate import TrainingDiverged
 from pfedkit.runs import run
 
 BASE = {"dataset": "mnist", "num_clients": 50, "join_ratio": 0.2, "rounds": 50, "lr": 0.01, "batch_size": 10,

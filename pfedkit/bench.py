@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pfedkit.atomic import strict_json
 from pfedkit.config import load_config
 from pfedkit.engine.device import describe_device, resolve_device
-from pfedkit.engine.processes import default_workers
+from pfedkit.engine.runtimes.processes import default_workers
 from pfedkit.runs import prepare
 
 PARITY_ROUNDS = 10

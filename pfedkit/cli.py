@@ -13,7 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from pfedkit.config import ConfigError, ConfigWarning, did_you_mean
+from pfedkit.core.backends import BACKENDS
+from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 
 EXIT_BAD_INPUT = 2
 # `pfedkit compare`'s default (the README quickstart): a personalised method beside the two
@@ -72,33 +73,9 @@ def _show_warning(previous):
     return show
 
 
-def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
-    """The first item is a config file unless it looks like key=value."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
-
-
-def results_table(summaries: list[dict]) -> str:
-    header = (f"{'algorithm':<12} {'headline':>9} {'final acc':>9} {'last-5 acc':>10} {'best acc':>8} "
-              f"{'best round':>10} {'MB up':>8} {'seconds':>8}")
-    lines = [header, "-" * len(header)]
-    for s in summaries:
-        lines.append(f"{s['algorithm']:<12} {_pct(s.get('headline_acc')):>9} {_pct(s['final_acc']):>9} "
-                     f"{_pct(s['last5_acc']):>10} {_pct(s['best_acc']):>8} {str(s['best_round']):>10} "
-                     f"{s['bytes_up'] / 1e6:>8.2f} {s['seconds']:>8.1f}")
-    headlines = sorted({s.get("headline", "") for s in summaries} - {""})
-    lines.append("headline: " + " | ".join(headlines) if headlines else "")
-    lines.append("other columns: sample-weighted mean over clients' test splits; best round is chosen on test data")
-    return "\n".join(line for line in lines if line)
-
-
-def _pct(value) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
 def cmd_run(ns: argparse.Namespace) -> int:
-    from pfedkit.config import load_config
+    from pfedkit.config import load_config, split_config_and_overrides
+    from pfedkit.report.summary_table import results_table
     from pfedkit.runs import run
 
     source, overrides = split_config_and_overrides(ns.items)
@@ -133,7 +110,7 @@ def parse_seeds(text: str) -> list[int]:
 def cmd_compare(ns: argparse.Namespace) -> int:
     from datetime import datetime
 
-    from pfedkit.config import load_config
+    from pfedkit.config import load_config, split_config_and_overrides
     from pfedkit.experiments.comparison import compare_entries, markdown_table, run_comparison, write_seed_table
 
     source, overrides = split_config_and_overrides(ns.items)
@@ -157,7 +134,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from pfedkit.config import load_config
+    from pfedkit.config import load_config, split_config_and_overrides
     from pfedkit.experiments.tuning import tune
 
     source, overrides = split_config_and_overrides(ns.items)
@@ -242,27 +219,29 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_data_stats(ns: argparse.Namespace) -> int:
-    from pfedkit.config import load_config
+    from pfedkit.config import load_config, split_config_and_overrides
     from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import split_indices
     from pfedkit.data.hf import file_label
-    from pfedkit.data.stats import client_class_table, write_heatmap
+    from pfedkit.data.stats import client_class_table
+    from pfedkit.federation import split_plan
+    from pfedkit.report.data_plots import client_class_heatmap
 
     source, overrides = split_config_and_overrides(ns.items)
     config = load_config(source, overrides)
     out = Path(ns.out or Path(config.out_dir) / f"data-stats-{file_label(config.dataset)}-{config.partition.scheme}.png")
     check_writable_file(out, "--out" if ns.out else "out_dir")
     dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
-    train_index, test_index = split_indices(config, dataset)
+    train_index, test_index = split_indices(split_plan(config), dataset)
     table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
     print(table.to_string())
-    write_heatmap(table, out, title=f"{config.dataset}: {config.partition.scheme}, {config.num_clients} clients")
+    client_class_heatmap(table, out, title=f"{config.dataset}: {config.partition.scheme}, {config.num_clients} clients")
     print(f"heatmap: {out}")
     return 0
 
 
 def cmd_data_export(ns: argparse.Namespace) -> int:
-    from pfedkit.data.export import export_partition
+    from pfedkit.federation import export_partition
 
     if not ns.items:
         raise ConfigError("data export: give a run directory, or a config file and/or key=value overrides")
@@ -318,19 +297,17 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pfedkit import __version__
-
-    parser = argparse.ArgumentParser(prog="pfedkit", description="Personalized federated learning simulations.")
-    parser.add_argument("--version", action="version", version=f"pfedkit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run(sub) -> None:
+    """`pfedkit run`."""
     p_run = sub.add_parser("run", help="run one simulation (no config: the embedded default job)")
     p_run.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (dotted keys for nested values)")
     p_run.add_argument("--resume", metavar="DIR", help="continue a killed run from its run directory")
     p_run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_run.set_defaults(func=cmd_run)
 
+
+def _add_compare(sub) -> None:
+    """`pfedkit compare`."""
     p_cmp = sub.add_parser("compare", help="several algorithms on the same partitions, over seeds: mean ± std")
     p_cmp.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     p_cmp.add_argument("--algorithms", default=DEFAULT_COMPARE,
@@ -343,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("-q", "--quiet", action="store_true")
     p_cmp.set_defaults(func=cmd_compare)
 
+
+def _add_tune(sub) -> None:
+    """`pfedkit tune`."""
     p_tune = sub.add_parser("tune", help="tune an algorithm's hyperparameters on a validation split (Optuna TPE, "
                             "median pruning); resumable")
     p_tune.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (validation_fraction=0.2 by default)")
@@ -355,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "in DIR/ALGORITHM and a rerun resumes it")
     p_tune.set_defaults(func=cmd_tune)
 
+
+def _add_reproduce(sub) -> None:
+    """`pfedkit reproduce`."""
     p_rep = sub.add_parser("reproduce", help="a paper's table at a budget, our mean ± std beside the paper's numbers")
     p_rep.add_argument("paper", nargs="?", help="fedrema, pfedpm, cwfedavg, pfedcs or dapfl "
                        "(--list without a paper: every paper's tables)")
@@ -370,19 +353,28 @@ def build_parser() -> argparse.ArgumentParser:
     p_rep.add_argument("-q", "--quiet", action="store_true")
     p_rep.set_defaults(func=cmd_reproduce)
 
+
+def _add_list(sub) -> None:
+    """`pfedkit list`."""
     p_list = sub.add_parser("list", help="registered algorithms, datasets, partitions and models")
     p_list.add_argument("algorithm", nargs="?", help="show this algorithm's options with their descriptions")
     p_list.set_defaults(func=cmd_list)
 
+
+def _add_report(sub) -> None:
+    """`pfedkit report`."""
     p_report = sub.add_parser("report", help="an HTML page (report/index.html) for a run or a comparison")
     p_report.add_argument("run_dir", help="a run, comparison or reproduce directory")
     p_report.add_argument("options", nargs="*", help="tensorboard=true: also write TensorBoard event files")
     p_report.set_defaults(func=cmd_report)
 
+
+def _add_bench(sub) -> None:
+    """`pfedkit bench`."""
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
     p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false)")
     p_bench.add_argument("--rounds", type=int, default=3, help="rounds timed (default: %(default)s)")
-    p_bench.add_argument("--backend", default="sequential", choices=["sequential", "processes", "vectorized", "ray"],
+    p_bench.add_argument("--backend", default="sequential", choices=BACKENDS,
                          help="how a round's clients train (default: %(default)s)")
     p_bench.add_argument("--workers", type=int, default=None,
                          help="processes / ray: worker count (default: one per core; ray: the cluster's CPUs)")
@@ -400,28 +392,63 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also run 10 rounds at fp32 and at bf16 and compare their accuracy")
     p_bench.set_defaults(func=cmd_bench)
 
+
+def _add_flower(sub) -> None:
+    """`pfedkit flower simulate | app | local | certs` (`pfedkit.flower.commands`)."""
     from pfedkit.flower.commands import add_parser as add_flower_parser
     add_flower_parser(sub)
 
-    p_data = sub.add_parser("data", help="dataset tools")
-    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+
+def _add_data_stats(data_sub) -> None:
+    """`pfedkit data stats`."""
     p_stats = data_sub.add_parser("stats", help="per-client class counts and a heatmap PNG")
     p_stats.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     p_stats.add_argument("--out", help="PNG path (default: OUT_DIR/data-stats-DATASET-SCHEME.png)")
     p_stats.set_defaults(func=cmd_data_stats)
-    p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
-                                  "(mnist, fashion_mnist, cifar10, cifar100, ...; ag_news: tokenised text)")
+
+
+def _add_data_fetch(data_sub) -> None:
+    """`pfedkit data fetch`."""
     from pfedkit.data.fetch import fetchable
 
+    p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
+                                  "(mnist, fashion_mnist, cifar10, cifar100, ...; ag_news: tokenised text)")
     p_fetch.add_argument("name", help=f"dataset to fetch: {', '.join(fetchable())}")
     p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in (default: $PFEDKIT_DATA)")
     p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_fetch.set_defaults(func=cmd_data_fetch)
+
+
+def _add_data_export(data_sub) -> None:
+    """`pfedkit data export`."""
     p_export = data_sub.add_parser("export", help="a run's partition as a Hugging Face DatasetDict (one split "
                                    "per client) for flwr-datasets / datasets.load_from_disk")
     p_export.add_argument("items", nargs="*", help="RUN_DIR, or [CONFIG.yaml] [key=value ...]")
     p_export.add_argument("--out", required=True, help="new (or empty) folder to write the DatasetDict into")
     p_export.set_defaults(func=cmd_data_export)
+
+
+def _add_data(sub) -> None:
+    """`pfedkit data stats | fetch | export`."""
+    p_data = sub.add_parser("data", help="dataset tools")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    for add in (_add_data_stats, _add_data_fetch, _add_data_export):
+        add(data_sub)
+
+
+# The subcommands in the order `pfedkit --help` lists them.
+SUBCOMMANDS = (_add_run, _add_compare, _add_tune, _add_reproduce, _add_list, _add_report, _add_bench, _add_flower,
+               _add_data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pfedkit import __version__
+
+    parser = argparse.ArgumentParser(prog="pfedkit", description="Personalized federated learning simulations.")
+    parser.add_argument("--version", action="version", version=f"pfedkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
 
 

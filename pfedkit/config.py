@@ -11,8 +11,7 @@ Config holds what is in effect: the resolved model, the running algorithm's sect
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Iterable
-from difflib import get_close_matches
+from collections.abc import Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -27,21 +26,12 @@ from pydantic import (
     model_validator,
 )
 
+from pfedkit.core.backends import BACKENDS
+# The errors live on the ground floor (every layer raises them); they are part of this module's API.
+from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean  # noqa: F401
 
-class ConfigError(ValueError):
-    """Invalid configuration. `str(err)` is one line meant for the user."""
-
-
-class ConfigWarning(UserWarning):
-    """A configuration that runs, but not as written (an option that has no effect, a value
-    lowered to what is possible). The command line prints it as one `warning:` line."""
-
-
-def did_you_mean(word: Any, choices: Iterable[str]) -> str:
-    """` (did you mean X?)` for the closest of `choices` to a misspelt `word`, or ""."""
-    close = get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
-
+# The `backend` values: the names of `pfedkit.build.RUNTIMES`, kept in core/backends.py.
+Backend = Literal[BACKENDS]
 
 PartitionScheme = Literal["iid", "dirichlet", "dirichlet_client", "pathological", "shards",
                           "group_dominant", "nway_kshot", "natural"]
@@ -204,7 +194,7 @@ class Config(BaseModel):
     headline: HeadlineConfig = Field(default_factory=HeadlineConfig)
     validation_fraction: float = Field(0.0, ge=0, lt=1, description="share of each client's training split carved out (seeded, stratified) as a validation split: removed from training and evaluated instead of the test split, which is then never read (pfedkit tune; 0: off)")
     dp: DPConfig = Field(default_factory=DPConfig)
-    backend: Literal["sequential", "processes", "vectorized", "ray"] = "sequential"
+    backend: Backend = "sequential"
     workers: int | None = Field(None, ge=1, description="processes / ray backend: worker count (default: "
                                 "cores; ray: the cluster's CPUs)")
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -276,6 +266,14 @@ class Config(BaseModel):
         if self.algorithm not in data:
             data[self.algorithm] = self.hyper().model_dump(mode="json")
         return data
+
+
+def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's `[CONFIG.yaml] [key=value ...]`: the first item is a config file unless it
+    looks like key=value -> (config file or None, overrides)."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -376,7 +374,7 @@ def drop_inactive_sections(config: Config, given: dict[str, Any], expected: Coll
 
 def resolve_model(config: Config) -> None:
     """`model: auto` -> the dataset's default model, so config.yaml names the model that ran."""
-    from pfedkit.models import default_model
+    from pfedkit.data.datasets import default_model
 
     if config.model == "auto":
         config.model = default_model(config.dataset)

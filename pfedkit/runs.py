@@ -31,25 +31,19 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from pfedkit.algorithms import get_algorithm
-from pfedkit.algorithms.base import Setup
 from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_json, atomic_write_text
-from pfedkit.config import Config, ConfigError, load_config, per_client_model_options
+from pfedkit.build import build_algorithm, check_precision, make_runtime, model_name, simulation_for, uses_channels_last
+from pfedkit.config import Config, load_config
+from pfedkit.core.errors import ConfigError
 from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
-from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.client_states import STATES_DIR, Placement, disk_stores
-from pfedkit.engine.device import describe_device, resolve_device
-from pfedkit.engine.model_ops import ModelOps
-from pfedkit.engine.processes import ProcessRuntime
-from pfedkit.engine.runtime import SequentialRuntime
-from pfedkit.engine.seeds import SERVER, derive_seed
-from pfedkit.engine.simulate import SimState, Simulation, TrainingDiverged
-from pfedkit.engine.trainer import TrainSettings
+from pfedkit.engine.device import describe_device
+from pfedkit.engine.simulate import Simulation, TrainingDiverged
+from pfedkit.engine.state import SimState
 from pfedkit.evaluation import summarize
-from pfedkit.models import build_model, default_model
-from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
-from pfedkit.privacy.setup import attach_client_dp, check_sample_dp, privacy_budget
+from pfedkit.federation import split_plan
+from pfedkit.privacy.setup import privacy_budget
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
@@ -119,75 +113,9 @@ class Prepared:
     data: FederatedData
     simulation: Simulation
     state: SimState
-    runtime: Any  # closed when the run ends
+    runtime: Any  # closed when the run ends (a Runtime; a Flower run's FlowerClients)
     resumable: bool = True  # False: no checkpoint (a Flower run: the client states are on the nodes)
     backend: str | None = None  # the summary's `backend` when not config.backend
-
-
-def model_name(config: Config) -> str:
-    return default_model(config.dataset) if config.model == "auto" else config.model
-
-
-def model_builder(config: Config, input_shape, num_classes: int, head: str, channels_last: bool,
-                  options: dict[str, Any] | None = None):
-    """A builder of the run's model with `options` (default: `model_options`)."""
-    name = model_name(config)
-    options = dict(config.model_options if options is None else options)
-
-    def build():
-        # Every instance starts from the same seeded weights; the global RNG is left untouched.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(config.seed, 0, SERVER, "model-init"))
-            model = build_model(name, tuple(input_shape), num_classes, head=head, **options)
-        if config.dp.level == "sample" and config.dp.replace_batchnorm:  # DP-SGD: no BatchNorm (docs/privacy.md)
-            model = batchnorm_to_groupnorm(model)
-        return model.to(memory_format=torch.channels_last) if channels_last else model
-    return build
-
-
-def architecture_key(options: dict[str, Any]) -> tuple:
-    """Identifies an architecture: its model options, sorted (values as YAML would write them)."""
-    return tuple(sorted((name, json.dumps(value, sort_keys=True)) for name, value in options.items()))
-
-
-@dataclass
-class Architectures:
-    """The run's model builders: `build` (the default, from `model_options`), and with
-    `client_model_options` one builder per distinct architecture (`builds`) and each client's key."""
-    build: Any
-    builds: dict[tuple, Any] | None = None
-    model_keys: list[tuple] | None = None
-
-    def build_for(self, cid: int):
-        return self.build if self.model_keys is None else self.builds[self.model_keys[cid]]
-
-
-def architectures(config: Config, input_shape, num_classes: int, head: str, channels_last: bool) -> Architectures:
-    build = model_builder(config, input_shape, num_classes, head, channels_last)
-    per_client = per_client_model_options(config)
-    if per_client is None:
-        return Architectures(build)
-    builds = {architecture_key(config.model_options): build}
-    keys = [architecture_key(options) for options in per_client]
-    for key, options in zip(keys, per_client):
-        if key not in builds:
-            builds[key] = model_builder(config, input_shape, num_classes, head, channels_last, options)
-    return Architectures(build, builds, keys)
-
-
-def uses_channels_last(config: Config, input_shape) -> bool:
-    return config.channels_last and len(input_shape) == 3
-
-
-def check_precision(config: Config) -> None:
-    """precision=bf16 trains in bf16 only where the hardware has it: a GPU or a CPU with native
-    bf16 kernels (AVX512_BF16 / AMX). Elsewhere oneDNN falls back to slow reference kernels:
-    FedAvgCNN trained 9x slower than fp32 on an AVX2 CPU here."""
-    if config.precision != "bf16" or resolve_device(config.device, config.backend).type == "cuda":
-        return
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        raise ConfigError(f"precision=bf16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 "
-                          "(AVX512_BF16 or AMX); bf16 would run ~9x slower than fp32 here. Use precision=fp32")
 
 
 def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | None = None) -> Prepared:
@@ -202,7 +130,7 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
             train_index, test_index = load_partition(dict(saved))
         data = assemble(dataset, train_index, test_index, channels_last)
     else:
-        data = build_federated(config, dataset, channels_last)
+        data = build_federated(split_plan(config), dataset, channels_last)
     algorithm, archs = build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     ops, client_ops = algorithm.setup.ops, algorithm.setup.client_ops
     runtime = make_runtime(config, archs, data)
@@ -222,71 +150,6 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
             client_params=None if client_ops is None else [o.initial_params() for o in client_ops],
             client_buffers=None if client_ops is None else [o.initial_buffers() for o in client_ops])
     return Prepared(data, simulation, state, runtime)
-
-
-def simulation_for(config: Config, algorithm, data: FederatedData, runtime, clients=None,
-                   placement: Placement = Placement()) -> Simulation:
-    """The round loop with the config's schedule; `clients`: the clients' side (default: local,
-    its states placed by `placement`)."""
-    return Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
-                      join_ratio=config.join_ratio, eval_every=config.eval_every,
-                      keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
-                      participants=config.participants, clients=clients, placement=placement,
-                      new_clients=config.new_clients, new_client_finetune=config.new_client_finetune)
-
-
-def build_algorithm(config: Config, input_shape, num_classes: int, train_counts: np.ndarray):
-    """The run's algorithm (checked) and its Architectures, from the federation's shape and
-    per-client class counts: what the simulation and every Flower node build alike."""
-    algo_cls = get_algorithm(config.algorithm)
-    channels_last = uses_channels_last(config, input_shape)
-    archs = architectures(config, input_shape, num_classes, algo_cls.head, channels_last)
-    try:
-        ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
-    except ValueError as err:  # a model option the model does not have, or a bad value
-        raise ConfigError(f"model_options / client_model_options: {err}") from None
-    ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
-    client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
-    setup = Setup(len(train_counts), num_classes, train_counts, config.seed, config.local_epochs, ops,
-                  client_ops, rounds=config.rounds)
-    algorithm = algo_cls(config.hyper(), setup)
-    algorithm.check()
-    attach_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
-    if config.dp.level == "sample":
-        check_sample_dp(config, archs.build())
-    return algorithm, archs
-
-
-def train_settings(config: Config) -> TrainSettings:
-    return TrainSettings(config.local_epochs, config.batch_size, config.lr, config.momentum,
-                         config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed,
-                         config.keep_optimizer_state, config.compile,
-                         dp_sample_clip=config.dp.sample_clip if config.dp.level == "sample" else None,
-                         dp_sample_noise=config.dp.sample_noise_multiplier)
-
-
-def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData):
-    """The configured runtime; `archs`: the run's Architectures (or one model builder)."""
-    if not isinstance(archs, Architectures):
-        archs = Architectures(archs)
-    retain_freed_memory()  # every runtime (forked workers inherit it): no page faults per step
-    settings = train_settings(config)
-    device = resolve_device(config.device, config.backend)
-    build, extra = archs.build, {"builds": archs.builds, "model_keys": archs.model_keys}
-    if config.backend == "sequential":
-        return SequentialRuntime(build, settings, data, threads=config.threads, device=device, **extra)
-    if config.backend == "processes":
-        return ProcessRuntime(build, settings, data, workers=config.workers, threads=config.threads, device=device,
-                              **extra)
-    if config.backend == "vectorized":
-        from pfedkit.engine.vectorized import VectorizedRuntime
-        return VectorizedRuntime(build, settings, data, threads=config.threads, device=device, **extra)
-    if config.backend == "ray":
-        from pfedkit.engine.ray_runtime import RayRuntime
-        return RayRuntime(build, settings, data, workers=config.workers, threads=config.threads,
-                          address=config.ray.address, device=device, gpus_per_worker=config.ray.gpus_per_worker,
-                          **extra)
-    raise ConfigError(f"backend: {config.backend!r} is not available; allowed: sequential, processes, vectorized, ray")
 
 
 def check_run_name(name: str) -> None:

@@ -68,6 +68,23 @@ def final_state(result):
     return torch.load(result.run_dir / CHECKPOINT, weights_only=False)
 
 
+def learned_run(config: dict):
+    """Run `config` and check it learned (mean accuracy > 0.3 at the last round, 10 classes):
+    (result, metrics, final state) for the test's own checks of bytes and states."""
+    import pfedkit
+
+    result = pfedkit.run(config)
+    metrics = result.metrics
+    assert metrics[metrics["round"] == metrics["round"].max()]["accuracy"].mean() > 0.3
+    return result, metrics, final_state(result)
+
+
+def num_parameters(params: dict) -> int:
+    """Entries in a parameter dict: the tests' own count for expected message sizes (4 bytes each
+    in float32), independent of `message_bytes`, the code under test."""
+    return sum(value.numel() for value in params.values())
+
+
 class TinyNet(nn.Module):
     """A 3 -> 4 -> 3 body/head model for exact hand computations of local steps; pass
     `activation=nn.Tanh` where finite differences of the gradient must be accurate."""

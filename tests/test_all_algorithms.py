@@ -9,7 +9,7 @@ from conftest import SHARED_DATASETS, needs_dataset
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.models import MODELS
 
 DATASET_OF = {"mlp": "mnist", "cnn": "mnist", "cnn_proto": "mnist"}  # the rest: CIFAR-10 models

@@ -12,8 +12,8 @@ from torch.func import functional_call
 
 import pfedkit
 from pfedkit.algorithms.apfl import APFL
-from pfedkit.algorithms.base import ClientData, Setup
-from pfedkit.engine.seeds import torch_generator
+from pfedkit.core.contract import ClientData, Setup
+from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, batch_schedule
 
 

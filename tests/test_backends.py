@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.base import Fit
+from pfedkit.core.contract import Fit
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 
 

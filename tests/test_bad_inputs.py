@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from pfedkit.cli import build_parser, main
-from pfedkit.config import ConfigWarning, load_config
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigWarning
 from pfedkit.experiments.paper_presets import PAPERS
 
 def _writes_into_read_only_folders() -> bool:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import final_state, tiny_params
+from conftest import final_state, num_parameters, tiny_params
 
 import pfedkit
-from pfedkit.algorithms.base import Setup
 from pfedkit.algorithms.cfl import CFL, bipartition, cosine_distances, should_split, update_gram, update_norms
-from pfedkit.algorithms.params import flatten, num_parameters
+from pfedkit.core.contract import Setup
+from pfedkit.core.params import flatten
+from pfedkit.report.methods import draw_diagnostics
 
 RULE = {"eps1": 0.4, "eps2": 1.6, "warmup": 20, "min_cluster_size": 2}
 
@@ -167,7 +168,7 @@ def test_end_to_end_digits_with_forced_splits(small_config, tmp_path):
     assert diagnostics["cluster_assignment"][1].tolist() == [0] * 6
     np.testing.assert_array_equal(diagnostics["cluster_assignment"][3], state.server["membership"])
     assert [len(diagnostics["mean_norm"][r]) for r in (1, 2, 3)] == [1, 1, 2]
-    written = CFL.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(CFL, diagnostics, tmp_path / "report")
     assert [p.name for p in written] == ["cfl_clusters.png", "cfl_mean_norm.png", "cfl_max_norm.png"]
     assert all(p.stat().st_size > 0 for p in written)
 

@@ -7,9 +7,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pfedkit.algorithms.base import ClientData, Setup
 from pfedkit.algorithms.fedrema import FedReMa, class_prototypes
-from pfedkit.algorithms.pfedpm import PFedPM, class_means
+from pfedkit.algorithms.pfedpm import PFedPM
+from pfedkit.algorithms.prototypes import class_means
+from pfedkit.core.contract import ClientData, Setup
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import BodyHeadModel
 

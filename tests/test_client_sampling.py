@@ -1,4 +1,4 @@
-"""Client sampling per round (pfedkit/engine/seeds.py): the fixed-size draws are unchanged, and
+"""Client sampling per round (pfedkit/core/seeds.py): the fixed-size draws are unchanged, and
 `participants=poisson` lets each training client join independently with probability join_ratio."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 
 import pfedkit
-from pfedkit.config import ConfigError, load_config
-from pfedkit.engine.seeds import round_participants, sample_clients
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.seeds import round_participants, sample_clients
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine import client_states, simulate
 from pfedkit.engine.client_states import STATES_DIR, DiskStates, choose_placement
 from pfedkit.runs import CHECKPOINT

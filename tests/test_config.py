@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from pfedkit.cli import main
-from pfedkit.config import ConfigError, load_config, parse_overrides
+from pfedkit.config import load_config, parse_overrides
+from pfedkit.core.errors import ConfigError
 
 
 def test_overrides_are_typed_and_nested():
@@ -99,7 +100,7 @@ def test_pfllib_preset_sets_pfllib_values_and_overrides_win():
 
 
 def test_participant_rounding_round_or_floor():
-    from pfedkit.engine.seeds import sample_clients
+    from pfedkit.core.seeds import sample_clients
     assert len(sample_clients(0, 1, 20, 0.33)) == 7 and len(sample_clients(0, 1, 20, 0.33, "floor")) == 6
     assert len(sample_clients(0, 1, 10, 0.15)) == 2 and len(sample_clients(0, 1, 10, 0.15, "floor")) == 1
     assert len(sample_clients(0, 1, 10, 0.05, "floor")) == 1  # at least one

@@ -8,19 +8,20 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_state
+from conftest import final_state, num_parameters
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup, message_bytes
+from pfedkit.core.contract import ClientData, Setup, message_bytes
 from pfedkit.algorithms.creff import (CReFF, class_gradients, fresh_linear, linear_ce_gradients, match_features,
                                       matching_distance, mean_class_gradients, retrain_classifier,
                                       row_cosine_distance)
-from pfedkit.algorithms.params import num_parameters, select
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import select
+from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.model_ops import ModelOps
-from pfedkit.engine.seeds import torch_generator
 from pfedkit.models.base import BodyHeadModel
+from pfedkit.report.methods import draw_diagnostics
 
 # short digits runs (the defaults need ~10x more server time per round)
 FAST = {"retrain_epochs": 30, "retrain_lr": 0.1, "feature_steps": 50, "feature_lr": 1.0, "grad_repeats": 2}
@@ -259,7 +260,7 @@ def test_digits_run_messages_diagnostics_and_evaluated_model(small_config, tmp_p
     model = CReFF(CReFF.Hyper(**FAST), None).client_model(0, state.server, None)
     assert torch.equal(model["head.fc.weight"], state.server["head_re"]["head.fc.weight"])
     assert not torch.equal(model["head.fc.weight"], params["head.fc.weight"])
-    written = CReFF.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(CReFF, diagnostics, tmp_path / "report")
     assert [p.name for p in written] == ["creff_losses.png"] and written[0].stat().st_size > 0
 
 

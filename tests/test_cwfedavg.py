@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 import pfedkit
+import pfedkit.build
 import pfedkit.runs
-from pfedkit.algorithms.base import ClientData, Forward, Setup, message_bytes
+from pfedkit.core.contract import ClientData, Forward, Setup, message_bytes
 from pfedkit.algorithms.cwfedavg import (CwFedAvg, class_wise_models, class_wise_weights,
                                          estimate_class_distribution, personalised_model,
                                          unheld_classes, weight_distribution_regularizer, wdr_loss)
-from pfedkit.algorithms.params import weighted_mean
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import weighted_mean
 from pfedkit.models import build_model
 from pfedkit.report.run_report import report_run
 
@@ -449,7 +450,7 @@ class HeadRegisteredFirst(NoOutputLayer):
      ["cwfedavg.class_wise_layers: the last 1 layers", "(body.1)", "output layer head.0", "'all'"]),
 ], ids=["rows_not_classes", "no_output_layer", "output_not_last"])
 def test_model_without_a_usable_output_layer_is_refused(tmp_path, monkeypatch, builder, options, fragments):
-    monkeypatch.setattr(pfedkit.runs, "build_model", lambda name, shape, classes, **_: builder(shape, classes))
+    monkeypatch.setattr(pfedkit.build, "build_model", lambda name, shape, classes, **_: builder(shape, classes))
     assert_refused(tmp_path, digits_run_config(tmp_path, cwfedavg=options), *fragments)
 
 

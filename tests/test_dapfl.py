@@ -9,14 +9,18 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import Fit, Forward, cross_entropy, message_bytes
+from pfedkit.core.contract import Fit, Forward, cross_entropy, message_bytes
 from pfedkit.algorithms.dapfl import (adjusted_cosine, affinity, aggregation_weights, local_objective,
                                       log_one_minus_exp_neg, overlapping_class_vectors,
                                       pairwise_squared_distances, raw_affinity, resolve_sigma)
-from pfedkit.algorithms.params import flatten, num_parameters, squared_distance
-from pfedkit.config import ConfigError, load_config
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import flatten, squared_distance
 from pfedkit.engine.trainer import FitJob
+from pfedkit.report.methods import draw_diagnostics
 from pfedkit.runs import prepare
+
+from conftest import num_parameters
 
 CONFIG = {"algorithm": "dapfl", "dataset": "digits", "num_clients": 4, "rounds": 3, "batch_size": 20,
           "lr": 0.05, "seed": 3, "threads": 1, "partition": {"scheme": "dirichlet", "alpha": 0.5}}
@@ -399,6 +403,6 @@ def test_end_to_end_digits_half_participation(tmp_path):
                 assert weights[cid].sum() == pytest.approx(1.0, abs=1e-6) and weights[cid, cid] == 0
             else:
                 assert np.isnan(weights[cid]).all()
-    written = pfedkit.algorithms.get_algorithm("dapfl").report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(pfedkit.algorithms.get_algorithm("dapfl"), diagnostics, tmp_path / "report")
     assert {p.name for p in written} >= {"dapfl_affinity.png", "dapfl_aggregation_weights.png"}
     assert all(p.stat().st_size > 0 for p in written)

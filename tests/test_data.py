@@ -12,6 +12,7 @@ from pfedkit.cli import main
 from pfedkit.config import load_config
 from pfedkit.data.datasets import DataError, load_dataset
 from pfedkit.data.federated import build_federated, split_indices
+from pfedkit.federation import split_plan
 
 from conftest import SHARED_DATASETS, needs_dataset
 
@@ -72,7 +73,7 @@ def test_missing_data_dir_exits_2(tmp_path, capsys, monkeypatch):
 def test_per_client_split_covers_pool_disjointly():
     config = load_config({"num_clients": 6, "partition": {"scheme": "iid"}})
     data = load_dataset("digits")
-    train, test = split_indices(config, data)
+    train, test = split_indices(split_plan(config), data)
     every = np.concatenate(train + test)
     assert len(every) == len(np.unique(every)) == len(data.y)
 
@@ -81,7 +82,7 @@ def test_official_fraction_test_sets_come_from_the_official_test_split():
     config = load_config({"num_clients": 5, "partition": {"scheme": "dirichlet", "alpha": 1.0,
                                                           "test_split": "official_fraction", "least": 10}})
     data = load_dataset("digits")
-    train, test = split_indices(config, data)
+    train, test = split_indices(split_plan(config), data)
     assert not data.official_test[np.concatenate(train)].any()
     assert data.official_test[np.concatenate(test)].all()
 
@@ -89,7 +90,7 @@ def test_official_fraction_test_sets_come_from_the_official_test_split():
 def test_federated_tensors_match_saved_indices():
     config = load_config({"num_clients": 3})
     data = load_dataset("digits")
-    fed = build_federated(config, data)
+    fed = build_federated(split_plan(config), data)
     for client, index in zip(fed.clients, fed.train_index):
         np.testing.assert_array_equal(client.y_train.numpy(), data.y[index])
         np.testing.assert_array_equal(client.class_counts, np.bincount(data.y[index], minlength=10))

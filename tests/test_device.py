@@ -15,7 +15,7 @@ from conftest import final_state, interrupt_and_resume
 import pfedkit
 from pfedkit.algorithms import algorithm_names
 from pfedkit.cli import main
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine import device as device_module
 from pfedkit.engine.device import DeviceData, resolve_device, to_device
 

@@ -20,7 +20,7 @@ def test_personal_model_with_lam_zero_is_local_training(small_config):
 def test_personal_fit_is_pulled_to_the_received_global_model_then_the_global_model_trains():
     """Ditto's two requests: the personal model v_i with the proximal anchor = the RECEIVED w^t
     (not v_i's own start), then w^t itself; the upload is the second result, the state the first."""
-    from pfedkit.algorithms.base import ClientData
+    from pfedkit.core.contract import ClientData
     from pfedkit.algorithms.ditto import Ditto
 
     algo = Ditto(Ditto.Hyper(lam=0.7, personal_epochs=2), None)

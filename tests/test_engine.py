@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.params import num_parameters
 from pfedkit.config import load_config
-from pfedkit.engine.seeds import sample_clients
+from pfedkit.core.seeds import sample_clients
 from pfedkit.runs import CHECKPOINT, prepare
 
-from conftest import interrupt_and_resume
+from conftest import interrupt_and_resume, num_parameters
 
 
 def final_server_params(result) -> dict:

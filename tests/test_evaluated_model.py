@@ -41,9 +41,9 @@ from torch import nn
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names, get_algorithm
-from pfedkit.algorithms.base import Algorithm, Fit
-from pfedkit.algorithms.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
-from pfedkit.engine.runtime import SequentialRuntime
+from pfedkit.core.contract import Algorithm, Fit
+from pfedkit.core.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
+from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import FitJob, LocalTrainer
 from pfedkit.models import MODELS, ModelInfo

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from pfedkit.algorithms.base import message_bytes
+from pfedkit.core.contract import message_bytes
 from pfedkit.evaluation import evaluate_logits_fn, group_accuracy, round_table, summarize
 
 

@@ -1,6 +1,7 @@
 """Comparisons over seeds (`pfedkit compare --seeds`), resume, tables, and the HTML reports."""
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -9,12 +10,11 @@ import pytest
 
 import pfedkit
 from pfedkit.cli import main, parse_seeds
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine.simulate import Simulation
 from pfedkit.evaluation import classifier_row_norms, round_table
 from pfedkit.experiments.comparison import Entry, mean_std, run_comparison, seed_table, write_seed_table
 from pfedkit.report.comparison_report import report_comparison
-from pfedkit.report.html import referenced_files
 from pfedkit.report.run_report import report_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -150,6 +150,11 @@ def test_clients_npz_holds_counts_and_head_norms(small_config):
 
 
 # ---- HTML reports ---------------------------------------------------------------------------
+
+def referenced_files(page):
+    """Every file the HTML page refers to by src= or href= (the page writer quotes them with ')."""
+    return [(page.parent / target).resolve() for target in re.findall(r"(?:src|href)='([^']+)'", page.read_text())]
+
 
 def check_page(page, written):
     """The page's every reference exists, and every PNG written is on the page."""

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup
 from pfedkit.algorithms.fedamp import FedAMP, attention_row, squared_distances_to
-from pfedkit.algorithms.params import num_parameters
-from tests.conftest import final_state
+from pfedkit.core.contract import ClientData, Setup
+from pfedkit.report.methods import draw_diagnostics
+from tests.conftest import final_state, num_parameters
 
 CONFIG = {"algorithm": "fedamp", "dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1,
           "batch_size": 20, "lr": 0.05, "seed": 3, "join_ratio": 0.75,
@@ -156,7 +156,7 @@ def test_digits_run_learns_sends_one_model_each_way_and_records_xi(run):
 
 def test_report_draws_the_xi_heatmaps(run, tmp_path):
     diagnostics = torch.load(run.run_dir / "diagnostics.pt", weights_only=False)
-    written = FedAMP.report(diagnostics, tmp_path)
+    written = draw_diagnostics(FedAMP, diagnostics, tmp_path)
     assert [p.name for p in written] == ["fedamp_xi.png", "fedamp_guarded_rows.png"]
     assert all(p.is_file() for p in written)
 

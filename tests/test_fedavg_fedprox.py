@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pfedkit.algorithms.base import ClientData, Forward, NoHyper, Setup
-from pfedkit.algorithms.fedavg import FedAvg, fedavg_aggregate
+from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.fedprox import FedProx, proximal_loss
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import ClientData, Forward, NoHyper, Setup
 
 
 def test_fedavg_weights_each_reply_by_its_sample_count():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import Forward, cross_entropy
 from pfedkit.algorithms.feddistill import distillation_term, feddistill_loss
 from pfedkit.config import load_config
+from pfedkit.core.contract import Forward, cross_entropy
 from pfedkit.runs import prepare
 
 from conftest import final_state

@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup
+from pfedkit.core.contract import ClientData, Setup
 from pfedkit.algorithms.fedfomo import (DISTANCE_EPS, FedFomo, choose_peers, exploration_rate, fomo_update,
                                         fomo_weights, improvement_ratios, parameter_distance, top_peers,
                                         validation_size)
-from pfedkit.algorithms.params import flatten, num_parameters
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import flatten
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.report.methods import draw_diagnostics
 
-from conftest import TinyNet, final_state, tiny_params
+from conftest import TinyNet, final_state, num_parameters, tiny_params
 
 
 def tiny_algo(num_clients: int = 4, counts=None, **hyper) -> FedFomo:
@@ -179,5 +180,5 @@ def test_digits_run_mixes_peers_and_counts_m_models_down(small_config):
     for cid in range(4):
         assert all(torch.equal(state.server["models"][cid][k], state.clients[cid]["params"][k])
                    for k in state.clients[cid]["params"])
-    assert [p.name for p in FedFomo.report(diagnostics, result.run_dir)] == [
+    assert [p.name for p in draw_diagnostics(FedFomo, diagnostics, result.run_dir)] == [
         "fedfomo_weights.png", "fedfomo_affinity.png"]

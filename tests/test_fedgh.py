@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_state
+from conftest import final_state, num_parameters
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup
 from pfedkit.algorithms.fedgh import FedGH
-from pfedkit.algorithms.params import num_parameters, select
-from pfedkit.config import ConfigError, load_config
+from pfedkit.config import load_config
+from pfedkit.core.contract import ClientData, Setup
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import select
+from pfedkit.core.seeds import SERVER, torch_generator
 from pfedkit.engine.model_ops import ModelOps
-from pfedkit.engine.seeds import SERVER, torch_generator
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.runs import prepare
 

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import Forward
+from pfedkit.core.contract import Forward
 from pfedkit.algorithms.fednh import (class_prototype_sums, cosine_logits, fednh_loss, initial_prototypes,
                                       update_prototypes, upload_sums)
-from pfedkit.algorithms.params import select
 from pfedkit.config import load_config
-from pfedkit.engine.seeds import SERVER, torch_generator
+from pfedkit.core.params import select
+from pfedkit.core.seeds import SERVER, torch_generator
 from pfedkit.engine.trainer import FitJob
 from pfedkit.runs import prepare
 

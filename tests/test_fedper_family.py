@@ -6,8 +6,8 @@ import torch
 from conftest import final_state
 
 import pfedkit
-from pfedkit.algorithms.params import select
 from pfedkit.config import load_config
+from pfedkit.core.params import select
 from pfedkit.runs import prepare
 
 

@@ -7,16 +7,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import final_state
+from conftest import final_state, num_parameters
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup, message_bytes
 from pfedkit.algorithms.fedpfa import FedPFA, group_clients, nearest_group, sparsity_vector
-from pfedkit.algorithms.params import num_parameters, weighted_mean
-from pfedkit.config import ConfigError
+from pfedkit.core.contract import ClientData, Setup, message_bytes
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import weighted_mean
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
+from pfedkit.report.methods import draw_diagnostics
 
 COLUMNS = ["round", "client", "accuracy", "loss", "correct"]
 
@@ -178,7 +179,7 @@ def test_digits_half_participation_bytes_groups_and_report(small_config, tmp_pat
     assert final.shape == (6,) and set(final[final >= 0]) <= {0, 1}
     assert state.server["assignment"] == {cid: int(g) for cid, g in enumerate(final) if g >= 0}
     assert all(matrix.shape == (6, units) for matrix in diagnostics["sparsity"].values())
-    written = FedPFA.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(FedPFA, diagnostics, tmp_path / "report")
     assert {p.name for p in written} == {"fedpfa_clusters.png", "fedpfa_sparsity.png",
                                          "fedpfa_sparsity_distances.png"}
     assert metrics.loc[metrics["round"] == 4, "accuracy"].mean() > 0.3

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import Forward, cross_entropy
 from pfedkit.algorithms.fedproto import FedProto, prototype_logits
-from pfedkit.algorithms.pfedpm import pfedpm_loss
+from pfedkit.algorithms.prototype_exchange import prototype_loss
 from pfedkit.config import load_config
+from pfedkit.core.contract import Forward, cross_entropy
 from pfedkit.engine.trainer import FitJob
 from pfedkit.runs import prepare
 
@@ -128,7 +128,7 @@ def test_class_distance_regulariser_option_uses_the_batch_class_means(config):
                     prepare(load_config(config)).simulation.algorithm.setup)
     request = next(algo.client_update(2, 0, algo.init_client(0, algo.setup.ops.initial_params()),
                                       {"features": {3: torch.ones(algo.feature_dim)}}, None))
-    assert request.loss.func is pfedpm_loss and request.loss.keywords["regulariser"] == "class_distance"
+    assert request.loss.func is prototype_loss and request.loss.keywords["regulariser"] == "class_distance"
     features = torch.zeros(3, algo.feature_dim)
     features[1] = 4.0  # batch mean of class 3 = 2 -> ||2 - 1||^2 = d
     out = Forward(features, torch.zeros(3, 10))

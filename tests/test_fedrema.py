@@ -8,17 +8,18 @@ import torch
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Forward, Setup, cross_entropy
-from pfedkit.algorithms.fedavg import fedavg_aggregate
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import ClientData, Forward, Setup, cross_entropy
 from pfedkit.algorithms.fedrema import (FedReMa, alignment_loss, ccp_continues, class_prototypes,
                                         global_prototypes, mds, relevance_matrix, soft_predictions)
-from pfedkit.algorithms.params import flatten, num_parameters, select
+from pfedkit.config import load_config
+from pfedkit.core.params import flatten, select
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import BodyHeadModel
-from pfedkit.config import load_config
+from pfedkit.report.methods import draw_diagnostics
 from pfedkit.runs import CHECKPOINT, prepare
 
-from conftest import SHARED_DATASETS, needs_dataset
+from conftest import SHARED_DATASETS, needs_dataset, num_parameters
 
 NUM_CLASSES = 4
 IN_DIM = 6
@@ -468,7 +469,7 @@ def test_digits_run_learns_records_and_counts_bytes(tmp_path):
     heads = [head_vector(state.server["heads"][c]) for c in range(5)]
     assert any(not torch.equal(heads[0], h) for h in heads[1:])
 
-    written = FedReMa.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(FedReMa, diagnostics, tmp_path / "report")
     assert sorted(p.name for p in written) == ["fedrema_dependency_map.png", "fedrema_max_gap.png",
                                                "fedrema_relevance.png"]
     assert all(p.stat().st_size > 0 for p in written)

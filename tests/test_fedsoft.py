@@ -8,15 +8,17 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Forward, Setup, cross_entropy
+from pfedkit.core.contract import ClientData, Forward, Setup, cross_entropy
 from pfedkit.algorithms.fedsoft import (FedSoft, centre_weights, importance_weights, is_estimation_round,
                                         select_for_centre, soft_proximal_loss)
-from pfedkit.algorithms.params import flatten, num_parameters
-from pfedkit.config import ConfigError, load_config
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import flatten
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.report.methods import draw_diagnostics
 from pfedkit.runs import prepare
 
-from conftest import TinyNet, final_state, tiny_params
+from conftest import TinyNet, final_state, num_parameters, tiny_params
 
 
 def tiny_setup(num_clients: int = 2, seed: int = 0) -> Setup:
@@ -208,5 +210,5 @@ def test_digits_run_learns_and_sends_all_centres(small_config):
     assert weights.shape == (4, 3) and (weights >= 1e-4 - 1e-9).all()
     np.testing.assert_array_equal(diagnostics["cluster_assignment"][3], weights.argmax(axis=1))
     np.testing.assert_allclose(weights, np.stack([c["importance"] for c in state.clients]), rtol=1e-6)
-    assert [p.name for p in FedSoft.report(diagnostics, result.run_dir)] == [
+    assert [p.name for p in draw_diagnostics(FedSoft, diagnostics, result.run_dir)] == [
         "fedsoft_clusters.png", "fedsoft_cluster_weights.png"]

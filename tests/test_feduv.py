@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import Forward
 from pfedkit.algorithms.feduv import feduv_loss, pairwise_squared_distances, uniformity_loss, variance_loss
-from pfedkit.algorithms.params import num_parameters
-from tests.conftest import final_state
+from pfedkit.core.contract import Forward
+from tests.conftest import final_state, num_parameters
 
 COLUMNS = ["round", "client", "accuracy", "loss", "bytes_up", "bytes_down"]
 CONFIG = {"dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1, "batch_size": 20, "lr": 0.05,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import final_state, tiny_params
+from conftest import learned_run, num_parameters, tiny_params
 
 import pfedkit
-from pfedkit.algorithms.base import Setup
 from pfedkit.algorithms.fesem import FeSEM, draw_initial_centres, e_step, m_step, squared_distances
-from pfedkit.algorithms.params import num_parameters
-from pfedkit.config import ConfigError
+from pfedkit.core.contract import Setup
+from pfedkit.core.errors import ConfigError
+from pfedkit.report.methods import draw_diagnostics
 
 COLUMNS = ["round", "client", "participated", "accuracy", "loss", "train_loss", "train_steps", "bytes_up", "bytes_down"]
 
@@ -122,10 +122,7 @@ def test_k_larger_than_the_clients_is_refused(small_config):
 
 def test_end_to_end_digits_local_models_bytes_and_report(small_config, tmp_path):
     config = {**small_config, "algorithm": "fesem", "fesem": {"k": 2}, "join_ratio": 0.75}
-    result = pfedkit.run(config)
-    metrics = result.metrics
-    assert metrics.loc[metrics["round"] == 3, "accuracy"].mean() > 0.3  # 10 classes
-    state = final_state(result)
+    result, metrics, state = learned_run(config)
     model_bytes = 4 * num_parameters(state.clients[0]["params"])
     joined = metrics[metrics["participated"] == 1]
     assert (joined["bytes_down"] == model_bytes).all() and (joined["bytes_up"] == model_bytes + 8).all()
@@ -135,7 +132,7 @@ def test_end_to_end_digits_local_models_bytes_and_report(small_config, tmp_path)
     for rnd, vector in diagnostics["cluster_assignment"].items():
         participants = joined.loc[joined["round"] == rnd, "client"].tolist()
         assert vector.shape == (4,) and all((vector[c] >= 0) == (c in participants) for c in range(4))
-    written = FeSEM.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(FeSEM, diagnostics, tmp_path / "report")
     assert [p.name for p in written] == ["fesem_clusters.png"] and written[0].stat().st_size > 0
 
 

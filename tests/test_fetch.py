@@ -1,5 +1,5 @@
 """`pfedkit data fetch`, offline: tiny fixtures in the published formats (MNIST IDX gz, CIFAR-10/100
-python-pickle tar.gz), served by a replacement of `fetch.download` that copies bytes."""
+python-pickle tar.gz), served by a replacement of `download.download` that copies bytes."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from pfedkit.cli import main
+from pfedkit.data import download as download_module
 from pfedkit.data import fetch as fetch_module
+from pfedkit.data import sources
 from pfedkit.data.datasets import load_dataset
 
 RNG = np.random.default_rng(0)
@@ -75,7 +77,7 @@ FIXTURES = {"mnist": _mnist_fixture, "cifar10": _cifar10_fixture, "cifar100": _c
 
 
 class FakeServer:
-    """Replaces `fetch.download`: serves fixture bytes by file name, records every call's offset,
+    """Replaces `download.download`: serves fixture bytes by file name, records every call's offset,
     and can stop a transfer part-way (`cut_after`) like a dropped connection."""
 
     def __init__(self, files: dict[str, bytes]):
@@ -99,12 +101,12 @@ def _serve(monkeypatch, name: str, files: dict[str, bytes], published: dict[str,
     """Install `files` as what the network returns for `name`, with the published MD5s of
     `published` (default: of `files` themselves, i.e. an intact download)."""
     published = published or files
-    source = fetch_module.SOURCES[name]
+    source = sources.SOURCES[name]
     items = tuple(dataclasses.replace(item, md5=hashlib.md5(published[item.filename]).hexdigest())
                   for item in source.files)
-    monkeypatch.setitem(fetch_module.SOURCES, name, dataclasses.replace(source, files=items))
+    monkeypatch.setitem(sources.SOURCES, name, dataclasses.replace(source, files=items))
     server = FakeServer(files)
-    monkeypatch.setattr(fetch_module, "download", server)
+    monkeypatch.setattr(download_module, "download", server)
     return server
 
 
@@ -220,7 +222,7 @@ def test_no_network_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     def offline(url, part, offset, progress):
         raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
 
-    monkeypatch.setattr(fetch_module, "download", offline)
+    monkeypatch.setattr(download_module, "download", offline)
     assert main(["data", "fetch", "fashion_mnist", "--data-dir", str(tmp_path), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no network connection" in err
@@ -274,7 +276,7 @@ def test_a_second_fetch_waits_for_the_first_and_downloads_nothing(tmp_path, monk
         assert release.wait(10)
         server(url, part, offset, progress)
 
-    monkeypatch.setattr(fetch_module, "download", slow_download)
+    monkeypatch.setattr(download_module, "download", slow_download)
     root = tmp_path / "data"
     results, errors = {}, []
 

@@ -1,5 +1,5 @@
 """`pfedkit data fetch femnist`, offline: a tiny parquet in flwrlabs/femnist's layout (image, writer_id,
-hsf_id, character) served by a replacement of `fetch.download_hub`; and the class-subset datasets
+hsf_id, character) served by a replacement of `download.download_hub`; and the class-subset datasets
 built on fetched files (femnist_lower10, cifar100_first20)."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pfedkit.cli import main
-from pfedkit.data import fetch as fetch_module
+from pfedkit.data import download as download_module
+from pfedkit.data.converters import FEMNIST_CLASSES
 from pfedkit.data.datasets import load_dataset
 
 datasets = pytest.importorskip("datasets")
@@ -31,7 +32,7 @@ def _femnist_parquet(path, rows=ROWS, names=None):
     images = RNG.integers(0, 256, (len(rows), 28, 28), dtype=np.uint8)
     features = datasets.Features({
         "image": datasets.Image(), "writer_id": datasets.Value("string"), "hsf_id": datasets.Value("int64"),
-        "character": datasets.ClassLabel(names=names or fetch_module.FEMNIST_CLASSES)})
+        "character": datasets.ClassLabel(names=names or FEMNIST_CLASSES)})
     table = datasets.Dataset.from_dict({
         "image": [Image.fromarray(image, mode="L") for image in images],
         "writer_id": [writer for writer, _ in rows], "hsf_id": [4] * len(rows),
@@ -41,7 +42,7 @@ def _femnist_parquet(path, rows=ROWS, names=None):
 
 
 class FakeHub:
-    """Replaces `fetch.download_hub`: copies the fixture shards into the download folder."""
+    """Replaces `download.download_hub`: copies the fixture shards into the download folder."""
 
     def __init__(self, shards):
         self.shards, self.calls = shards, []
@@ -66,7 +67,7 @@ def hub(tmp_path, monkeypatch):
     first = _femnist_parquet(shards[0], ROWS[:4])
     second = _femnist_parquet(shards[1], ROWS[4:])
     server = FakeHub(shards)
-    monkeypatch.setattr(fetch_module, "download_hub", server)
+    monkeypatch.setattr(download_module, "download_hub", server)
     images = np.concatenate([first[0], second[0]])
     labels = np.concatenate([first[1], second[1]])
     return server, images, labels
@@ -108,7 +109,7 @@ def test_truncated_parquet_is_refused_in_one_line_and_leaves_nothing(tmp_path, m
     shard = tmp_path / "train-00000-of-00001.parquet"
     _femnist_parquet(shard)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    monkeypatch.setattr(fetch_module, "download_hub", FakeHub([shard]))
+    monkeypatch.setattr(download_module, "download_hub", FakeHub([shard]))
     root = tmp_path / "data"
     assert main(["data", "fetch", "femnist", "--data-dir", str(root), "-q"]) == 2
     err = capsys.readouterr().err
@@ -120,8 +121,8 @@ def test_truncated_parquet_is_refused_in_one_line_and_leaves_nothing(tmp_path, m
 def test_foreign_class_order_is_refused(tmp_path, monkeypatch, capsys):
     """femnist_lower10 picks classes by label: a shuffled ClassLabel would pick the wrong letters."""
     shard = tmp_path / "train-00000-of-00001.parquet"
-    _femnist_parquet(shard, names=sorted(fetch_module.FEMNIST_CLASSES, key=str.lower))
-    monkeypatch.setattr(fetch_module, "download_hub", FakeHub([shard]))
+    _femnist_parquet(shard, names=sorted(FEMNIST_CLASSES, key=str.lower))
+    monkeypatch.setattr(download_module, "download_hub", FakeHub([shard]))
     assert main(["data", "fetch", "femnist", "--data-dir", str(tmp_path / "data"), "-q"]) == 2
     assert "differ from FEMNIST's" in capsys.readouterr().err
     assert _visible_files(tmp_path / "data") == []
@@ -138,7 +139,7 @@ def test_hub_failure_is_one_line(tmp_path, monkeypatch, capsys):
     def offline(repo_id, revision, folder):
         raise ConnectionError("Max retries exceeded with url:\n /api/datasets/flwrlabs/femnist")
 
-    monkeypatch.setattr(fetch_module, "download_hub", offline)
+    monkeypatch.setattr(download_module, "download_hub", offline)
     assert main(["data", "fetch", "femnist", "--data-dir", str(tmp_path), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run the same command again to resume" in err

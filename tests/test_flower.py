@@ -18,8 +18,8 @@ import torch
 flwr = pytest.importorskip("flwr")
 
 import pfedkit  # noqa: E402
-from pfedkit.algorithms.base import message_bytes  # noqa: E402
 from pfedkit.config import load_config  # noqa: E402
+from pfedkit.core.contract import message_bytes  # noqa: E402
 from pfedkit.flower.records import pack, put, take, unpack  # noqa: E402
 
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import pfedkit
-from pfedkit.config import Config, ConfigError
+from pfedkit.config import Config
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine import device as device_module
-from pfedkit.engine import processes
 from pfedkit.engine.device import resolve_device, worker_devices
-from pfedkit.engine.ray_runtime import actor_plan, gpus_per_actor
+from pfedkit.engine.runtimes import processes
+from pfedkit.engine.runtimes.ray import actor_plan, gpus_per_actor
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -17,6 +17,7 @@ from pfedkit.data import hf  # noqa: E402
 from pfedkit.data.datasets import DataError, load_dataset  # noqa: E402
 from pfedkit.data.export import MANIFEST  # noqa: E402
 from pfedkit.data.federated import split_indices  # noqa: E402
+from pfedkit.federation import split_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "hf_cache")
 CLASSES = ["ant", "bee", "cat", "dog"]
@@ -189,7 +190,7 @@ def test_export_of_a_config_matches_split_indices_and_loads_in_flwr_datasets(tmp
     assert cli.main(["data", "export", *overrides, "--out", str(out)]) == 0
     config = load_config(None, overrides)
     data = load_dataset("digits")
-    train_index, test_index = split_indices(config, data)
+    train_index, test_index = split_indices(split_plan(config), data)
     exported = datasets.load_from_disk(str(out))
     for cid in range(5):
         split = exported[f"client_{cid}"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TinyNet, final_state, tiny_params
+from conftest import TinyNet, learned_run, num_parameters, tiny_params
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup
 from pfedkit.algorithms.ifca import IFCA, choose_cluster
-from pfedkit.algorithms.params import num_parameters, weighted_mean
+from pfedkit.core.contract import ClientData, Setup
+from pfedkit.core.params import weighted_mean
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.report.methods import draw_diagnostics
 
 COLUMNS = ["round", "client", "participated", "accuracy", "loss", "train_loss", "train_steps", "bytes_down"]
 
@@ -106,10 +107,7 @@ def test_client_is_evaluated_with_its_current_cluster_and_cluster_0_before_it_jo
 
 def test_end_to_end_digits_bytes_assignments_and_report(small_config, tmp_path):
     config = {**small_config, "algorithm": "ifca", "ifca": {"k": 2}, "join_ratio": 0.75}
-    result = pfedkit.run(config)
-    metrics = result.metrics
-    assert metrics.loc[metrics["round"] == 3, "accuracy"].mean() > 0.3  # 10 classes
-    state = final_state(result)
+    result, metrics, state = learned_run(config)
     model_bytes = 4 * num_parameters(state.server["models"][0])
     joined = metrics[metrics["participated"] == 1]
     assert len(joined) == 3 * 3
@@ -123,7 +121,7 @@ def test_end_to_end_digits_bytes_assignments_and_report(small_config, tmp_path):
     last = diagnostics["cluster_assignment"][3]
     for cid in np.flatnonzero(last >= 0):
         assert state.clients[cid]["cluster"] == last[cid]
-    written = IFCA.report(diagnostics, tmp_path / "report")
+    written = draw_diagnostics(IFCA, diagnostics, tmp_path / "report")
     assert [p.name for p in written] == ["ifca_clusters.png"] and written[0].stat().st_size > 0
 
 

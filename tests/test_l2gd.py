@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import torch
-from conftest import final_state
+from conftest import final_state, num_parameters
 
 import pfedkit
 from pfedkit.algorithms.l2gd import is_aggregation_round
-from pfedkit.algorithms.params import interpolate, num_parameters
+from pfedkit.core.params import interpolate
 
 
 def test_coin_is_seeded_and_has_rate_p():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import TinyNet as Tiny
 from conftest import tiny_params
 
-from pfedkit.algorithms.base import Fit
+from pfedkit.core.contract import Fit
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 
 
@@ -88,7 +88,7 @@ def test_extra_names_must_not_look_like_model_parameters():
 
 
 def test_vectorized_runs_custom_steps_sequentially_with_one_message(capsys):
-    from pfedkit.engine.vectorized import VectorizedRuntime
+    from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
 
     x, y = data(20)
     settings = TrainSettings(local_epochs=1, batch_size=5, lr=0.1, seed=2)

@@ -9,7 +9,8 @@ from conftest import SHARED_DATASETS, needs_dataset
 
 import pfedkit
 from pfedkit.cli import main
-from pfedkit.config import ConfigError, load_config, per_client_model_options
+from pfedkit.config import load_config, per_client_model_options
+from pfedkit.core.errors import ConfigError
 from pfedkit.runs import CHECKPOINT, prepare
 
 WIDTHS = [18, 20, 20, 22]  # conv2 channels of clients 0..3

@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from pfedkit.models import (MODELS, build_model, default_model, last_linear, layer_state_dict,
+from pfedkit.data.datasets import default_model
+from pfedkit.models import (MODELS, build_model, last_linear, layer_state_dict,
                             load_layer_state_dict, model_names)
 
 MNIST = (1, 28, 28)

@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import Forward, message_bytes
 from pfedkit.algorithms.moon import contrastive_loss, moon_loss
-from pfedkit.algorithms.params import num_parameters
 from pfedkit.config import load_config
+from pfedkit.core.contract import Forward, message_bytes
 from pfedkit.runs import prepare
-from tests.conftest import final_state
+from tests.conftest import final_state, num_parameters
 
 COLUMNS = ["round", "client", "accuracy", "loss", "bytes_up", "bytes_down"]
 CONFIG = {"dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1, "batch_size": 20, "lr": 0.05,

@@ -11,13 +11,15 @@ import torch
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names
-from pfedkit.algorithms.base import Fit
-from pfedkit.config import ConfigError, load_config
-from pfedkit.engine.seeds import sample_clients
+from pfedkit.build import train_settings
+from pfedkit.config import load_config
+from pfedkit.core.contract import Fit
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.seeds import sample_clients
 from pfedkit.engine.simulate import NEW_CLIENT_PURPOSE, choose_new_clients
 from pfedkit.engine.trainer import FitJob, LocalTrainer
 from pfedkit.evaluation import summarize
-from pfedkit.runs import prepare, train_settings
+from pfedkit.runs import prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

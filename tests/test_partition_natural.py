@@ -8,6 +8,7 @@ from pfedkit.config import load_config
 from pfedkit.data.datasets import Dataset, load_dataset
 from pfedkit.data.federated import split_indices
 from pfedkit.data.partition import PartitionError, partition
+from pfedkit.federation import split_plan
 
 RNG = np.random.default_rng(0)
 WRITERS = RNG.integers(0, 12, 400)  # 12 writers of unequal sizes
@@ -61,7 +62,7 @@ def _writer_dataset() -> Dataset:
 
 def test_config_natural_gives_per_writer_clients_with_per_client_split():
     config = load_config({"dataset": "femnist", "num_clients": 6, "partition": {"scheme": "natural"}})
-    train, test = split_indices(config, _writer_dataset())
+    train, test = split_indices(split_plan(config), _writer_dataset())
     assert len(train) == 6
     every = np.concatenate(train + test)
     assert len(np.unique(every)) == len(every), "train and test of all clients are disjoint"
@@ -73,5 +74,5 @@ def test_config_natural_gives_per_writer_clients_with_per_client_split():
 def test_config_natural_on_a_dataset_without_writers_is_one_line():
     config = load_config({"dataset": "digits", "partition": {"scheme": "natural"}})
     with pytest.raises(PartitionError) as err:
-        split_indices(config, load_dataset("digits"))
+        split_indices(split_plan(config), load_dataset("digits"))
     assert "needs writer ids" in str(err.value) and "\n" not in str(err.value)

@@ -9,9 +9,9 @@ from torch import nn
 from torch.func import functional_call
 
 import pfedkit
-from pfedkit.algorithms.base import Algorithm
 from pfedkit.algorithms.perfedavg import PerFedAvg
-from pfedkit.engine.seeds import torch_generator
+from pfedkit.core.contract import Algorithm
+from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, batch_schedule
 
 

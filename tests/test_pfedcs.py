@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import (Algorithm, ClientData, Fit, Forward, NoHyper, Setup,
-                                     cross_entropy)
-from pfedkit.algorithms.params import clone, merge, num_parameters, select, weighted_mean
+from pfedkit.core.contract import Algorithm, ClientData, Fit, Forward, NoHyper, Setup, cross_entropy
+from pfedkit.core.params import clone, merge, select, weighted_mean
 from pfedkit.algorithms.pfedcs import (PFedCS, candidate_mask, classifier_distances, classifier_loss,
                                        dca_terms, dca_weights, distance_threshold, kl_guided_loss,
                                        normalise_logits, plan_collaboration, row_normalise, teacher_logits)
@@ -19,6 +18,8 @@ from pfedkit.config import load_config
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import build_model
 from pfedkit.runs import prepare
+
+from conftest import num_parameters
 
 NUM_FEATURES, NUM_CLASSES = 6, 3
 

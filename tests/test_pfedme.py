@@ -10,11 +10,11 @@ from torch import nn
 from torch.func import functional_call
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Setup
-from pfedkit.algorithms.params import weighted_mean
 from pfedkit.algorithms.pfedme import PFedMe
 from pfedkit.config import load_config
-from pfedkit.engine.seeds import torch_generator
+from pfedkit.core.contract import ClientData, Setup
+from pfedkit.core.params import weighted_mean
+from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, batch_schedule
 from pfedkit.runs import prepare
 

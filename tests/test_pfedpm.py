@@ -11,15 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.algorithms.base import ClientData, Forward, Setup, message_bytes
-from pfedkit.algorithms.pfedpm import (UNAVAILABLE_SCORE, PFedPM, RPFedPM, class_distance_regulariser,
-                                       class_means, feature_distance,
-                                       global_features, message_to_table, mix_features, pfedpm_loss,
-                                       prototype_regulariser, relation_class_features, relation_logits,
-                                       relation_extra, relation_from, relation_loss, table_to_message)
-from pfedkit.config import ConfigError, load_config
+from pfedkit.core.contract import ClientData, Forward, Setup, message_bytes
+from pfedkit.algorithms.pfedpm import (UNAVAILABLE_SCORE, PFedPM, RPFedPM, mix_features, pfedpm_loss,
+                                       relation_class_features, relation_logits, relation_extra, relation_from,
+                                       relation_loss)
+from pfedkit.algorithms.prototype_exchange import (class_distance_regulariser, feature_distance, global_features,
+                                                   prototype_regulariser)
+from pfedkit.algorithms.prototypes import class_means, message_to_table, table_to_message
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.model_ops import ModelOps
-from pfedkit.engine.seeds import torch_generator
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, request_schedule
 from pfedkit.models import build_model
 from pfedkit.models.relation import (RelationModule, make_pairs, relation_buffers, relation_params,

@@ -15,16 +15,17 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from torch import nn
 
 import pfedkit
-from pfedkit.algorithms.aggregation import SampleWeightedMean
-from pfedkit.algorithms.base import NoHyper, Setup
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.config import ConfigError, load_config
+from pfedkit.config import load_config
+from pfedkit.core.aggregation import SampleWeightedMean
+from pfedkit.core.contract import NoHyper, Setup
+from pfedkit.core.contract import Fit
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
-from pfedkit.algorithms.base import Fit
 from pfedkit.privacy.accounting import epsilon
 from pfedkit.privacy.client_dp import ClientDP, ClientDPMean, clipped_model, update_norm
 from pfedkit.privacy.dp_sgd import batchnorm_layers, batchnorm_to_groupnorm, privatize
-from pfedkit.privacy.setup import check_sample_dp
+from pfedkit.privacy.setup import aggregates_by_mean, check_sample_dp, mean_algorithms
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -281,6 +282,19 @@ def test_client_dp_refuses_algorithms_that_do_not_average_updates(equal_clients,
     assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
 
 
+def test_client_dp_applies_exactly_to_the_algorithms_declaring_the_mean_of_uploads():
+    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`,
+    docs/privacy.md's list), and not a subclass that aggregates otherwise."""
+    assert mean_algorithms() == ["apfl", "ditto", "fedavg", "fedbabu", "fedper", "fedprox", "fedrep", "fedrod",
+                                 "feduv", "lg_fedavg", "moon", "perfedavg"]
+
+    class Halved(FedAvg):
+        def aggregate(self, rnd, server, replies):
+            return {"params": {k: v / 2 for k, v in FedAvg.aggregate(self, rnd, server, replies)["params"].items()}}
+
+    assert aggregates_by_mean(FedAvg) and not aggregates_by_mean(Halved)
+
+
 @pytest.mark.parametrize("override, key", [("dp.level=both", "dp.level"), ("dp.clip=0", "dp.clip"),
                                            ("dp.delta=1", "dp.delta"), ("dp.accountant=gdp", "dp.accountant"),
                                            ("dp.noise_multiplier=-1", "dp.noise_multiplier"),
@@ -305,16 +319,16 @@ def test_sample_dp_refuses_batchnorm_and_vectorized():
 
 
 def test_run_with_a_batchnorm_model_is_refused_or_converted(equal_clients, monkeypatch):
-    import pfedkit.runs as runs
+    from pfedkit import build  # the model builders live there
 
-    real = runs.build_model
+    real = build.build_model
 
     def mlp_with_batchnorm(*args, **kwargs):
         model = real(*args, **kwargs)
         model.body.add_module("bn", nn.BatchNorm1d(200))
         return model
 
-    monkeypatch.setattr(runs, "build_model", mlp_with_batchnorm)
+    monkeypatch.setattr(build, "build_model", mlp_with_batchnorm)
     config = {**equal_clients, "rounds": 1, "dp": {"level": "sample"}}
     with pytest.raises(ConfigError) as err:
         pfedkit.run(config)

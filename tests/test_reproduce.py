@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from pfedkit.cli import main
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.experiments.comparison import Entry, RunRecord
 from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
 from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, paper_table, plan_table
@@ -181,6 +181,7 @@ def test_fedrema_table2_test_splits_reach_beyond_the_dominant_classes():
     # classes only (inflating Local/FedPer/FedReMa); the authors' random split does not.
     from pfedkit.config import load_config
     from pfedkit.data.federated import split_indices
+    from pfedkit.federation import split_plan
 
     paper = load_paper("fedrema")
     table = paper.table("2")
@@ -189,7 +190,7 @@ def test_fedrema_table2_test_splits_reach_beyond_the_dominant_classes():
     config = load_config(paper.cell_config(table, column, row, paper.budget(table, "paper")))
     assert config.partition.samples_per_client == 100 and config.num_clients == 20
     dataset = labels_only_dataset(per_class=400)
-    train, test = split_indices(config, dataset)
+    train, test = split_indices(split_plan(config), dataset)
     outside = []
     for train_rows, test_rows in zip(train, test):
         dominant = np.argsort(-np.bincount(dataset.y[train_rows], minlength=10), kind="stable")[:3]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pfedkit.cli import main
-from pfedkit.data import fetch as fetch_module
+from pfedkit.data.store import encode_xz
 from pfedkit.experiments.paper_presets import load_paper
 from pfedkit.experiments.reproduce import data_status, plan_table
 
@@ -22,7 +22,7 @@ def _install_femnist(root, per_class: int = 30, writers: int = 7):
               "writer": RNG.integers(0, writers, len(y)).astype(np.int32),
               "writer_names": np.array([f"f{w:04d}_00" for w in range(writers)])}
     (root / "femnist").mkdir(parents=True)
-    (root / "femnist" / "femnist.npz.xz").write_bytes(fetch_module._encode(arrays))
+    (root / "femnist" / "femnist.npz.xz").write_bytes(encode_xz(arrays))
     return arrays
 
 
@@ -114,7 +114,7 @@ def _install_cifar100(root, per_class: int = 4):
     x = np.repeat(x, per_class, axis=0)
     test = np.tile(np.arange(per_class) >= per_class - 1, 100)  # 1 official test image a class
     (root / "cifar100").mkdir(parents=True)
-    (root / "cifar100" / "cifar100.npz.xz").write_bytes(fetch_module._encode({"x": x, "y": y, "test": test}))
+    (root / "cifar100" / "cifar100.npz.xz").write_bytes(encode_xz({"x": x, "y": y, "test": test}))
 
 
 def _install_ag_news(root, per_class: int = 40):
@@ -129,7 +129,7 @@ def _install_ag_news(root, per_class: int = 40):
     arrays = {"x": x, "y": y, "test": np.tile(np.arange(per_class) >= per_class - 5, 4),
               "vocab": np.array(vocab, dtype=str), "class_names": np.array(["World", "Sports", "Business", "Sci/Tech"])}
     (root / "ag_news").mkdir(parents=True)
-    (root / "ag_news" / "ag_news.npz.xz").write_bytes(fetch_module._encode(arrays))
+    (root / "ag_news" / "ag_news.npz.xz").write_bytes(encode_xz(arrays))
 
 
 def test_fetched_data_tables_are_ordinary_tables_that_name_their_fetch(tmp_path, monkeypatch, capsys):

@@ -18,8 +18,9 @@ import pfedkit
 from pfedkit import runs
 from pfedkit.atomic import strict_json
 from pfedkit.cli import EXIT_BAD_INPUT, EXIT_DIVERGED, main
-from pfedkit.config import ConfigError, load_config
-from pfedkit.engine.runtime import SequentialRuntime
+from pfedkit.config import load_config
+from pfedkit.core.errors import ConfigError
+from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.experiments.comparison import MANIFEST, Entry, run_comparison
 

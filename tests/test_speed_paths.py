@@ -15,13 +15,14 @@ import torch
 
 import pfedkit
 from pfedkit.algorithms import get_algorithm
-from pfedkit.algorithms.aggregation import CollectReplies, SampleWeightedMean
-from pfedkit.algorithms.base import Algorithm, Setup
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import weighted_mean
-from pfedkit.config import ConfigError, load_config
-from pfedkit.engine import transport
+from pfedkit.config import load_config
+from pfedkit.core.aggregation import CollectReplies, SampleWeightedMean
+from pfedkit.core.contract import Algorithm, Setup
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import weighted_mean
 from pfedkit.engine.allocator import retain_freed_memory
+from pfedkit.engine.runtimes import transport
 from pfedkit.runs import prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -203,12 +204,12 @@ def test_retained_memory_makes_repeated_large_allocations_fault_free():
 
 
 def test_dataset_rows_are_the_rows_of_the_normalised_set():
-    from pfedkit.data.datasets import Dataset, _normalise_images
+    from pfedkit.data.store import Dataset, normalise_images
 
     stored = np.random.default_rng(0).integers(0, 256, (20, 6, 6, 3), dtype=np.uint8)
     dataset = Dataset("fake", stored, np.zeros(20, np.int64), np.zeros(20, bool), 2)
     index = np.array([7, 2, 19])
-    np.testing.assert_array_equal(dataset.rows(index), _normalise_images(stored)[index])
+    np.testing.assert_array_equal(dataset.rows(index), normalise_images(stored)[index])
     assert dataset.input_shape == (3, 6, 6)
 
 

@@ -1,5 +1,5 @@
 """AG News as token ids (pfedkit/data/text.py) and the fasttext model, on a tiny CSV fixture served
-by a replaced `fetch.download`: deterministic tokenisation, exact round trip, a 2-round run."""
+by a replaced `download.download`: deterministic tokenisation, exact round trip, a 2-round run."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pfedkit.cli import main
+from pfedkit.data import download as download_module
 from pfedkit.data import fetch as fetch_module
+from pfedkit.data import sources
 from pfedkit.data import text
 from pfedkit.data.datasets import load_dataset
 from pfedkit.models import build_model
@@ -46,9 +48,9 @@ def served(monkeypatch):
     train, train_rows = csv_bytes(60, 0)
     test, test_rows = csv_bytes(16, 1)
     files = {"train.csv": train, "test.csv": test}
-    source = text.text_sources()["ag_news"]
+    source = sources.SOURCES["ag_news"]
     items = tuple(dataclasses.replace(i, md5=hashlib.md5(files[i.filename]).hexdigest()) for i in source.files)
-    monkeypatch.setitem(text.text_sources(), "ag_news", dataclasses.replace(source, files=items))
+    monkeypatch.setitem(sources.SOURCES, "ag_news", dataclasses.replace(source, files=items))
     calls = []
 
     def download(url, part, offset, progress):
@@ -58,7 +60,7 @@ def served(monkeypatch):
             handle.write(files[name][offset:])
         progress(len(files[name]), len(files[name]))
 
-    monkeypatch.setattr(fetch_module, "download", download)
+    monkeypatch.setattr(download_module, "download", download)
     return train_rows, test_rows, calls
 
 
@@ -118,11 +120,11 @@ def test_fetch_round_trips_every_row_and_is_deterministic(served, tmp_path, caps
 
 def test_a_broken_csv_is_refused_in_one_line(served, tmp_path, monkeypatch, capsys):
     bad = b'"9","title","class 9 does not exist"\n'
-    source = text.text_sources()["ag_news"]
+    source = sources.SOURCES["ag_news"]
     items = (dataclasses.replace(source.files[0], md5=hashlib.md5(bad).hexdigest()), source.files[1])
-    monkeypatch.setitem(text.text_sources(), "ag_news", dataclasses.replace(source, files=items))
-    real = fetch_module.download
-    monkeypatch.setattr(fetch_module, "download", lambda url, part, offset, progress: (
+    monkeypatch.setitem(sources.SOURCES, "ag_news", dataclasses.replace(source, files=items))
+    real = download_module.download
+    monkeypatch.setattr(download_module, "download", lambda url, part, offset, progress: (
         part.write_bytes(bad) if url.endswith("train.csv") else real(url, part, offset, progress)))
     assert main(["data", "fetch", "ag_news", "--data-dir", str(tmp_path / "data"), "-q"]) == 2
     err = capsys.readouterr().err.strip()

@@ -16,8 +16,9 @@ import torch
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
 import pfedkit
-from pfedkit.algorithms.base import Fit, cross_entropy, registry
 from pfedkit.algorithms.fedavg import FedAvg
+from pfedkit.algorithms.registry import registry
+from pfedkit.core.contract import Fit, cross_entropy
 
 OUTSIDE_THREADS = 3  # this process's torch count around the runs: never a run's count below
 
@@ -162,3 +163,29 @@ def test_backends_show_algorithm_code_the_same_threads_and_memory_layout(probe, 
     assert sequential[0] == processes[0]
     assert sequential[1] == processes[1] and len(sequential[1]) > 0
     pd.testing.assert_frame_equal(sequential[2], processes[2])
+
+
+class SmallOpProbe(ThreadProbe):
+    """The probe declaring `small_op_threads`, as CReFF does for its thousands of tiny ops."""
+    name = "small_op_probe"
+    small_op_threads = 1
+
+
+def test_small_op_threads_hold_for_the_algorithms_own_code_only(probe, small_config, tmp_path, monkeypatch):
+    """threads=2 and `small_op_threads = 1`: each step of client_update and the aggregation run with
+    1 torch thread; the Fits (their train_loss is the trainer's count), broadcast, client_model,
+    adapt and predict with the run's 2; this process's count is given back after the run."""
+    monkeypatch.setitem(registry(), SmallOpProbe.name, SmallOpProbe)
+    SEEN.clear()
+    result = pfedkit.run({**small_config, "join_ratio": 0.75, "rounds": 2, "threads": 2,
+                          "algorithm": SmallOpProbe.name, "out_dir": str(tmp_path)})
+    own = {"client_update: before its Fit", "client_update: after its Fit", "aggregate"}
+    counts = {}
+    for hook, torch_threads, _ in SEEN:
+        counts.setdefault(hook, set()).add(torch_threads)
+    assert {hook: counts[hook] for hook in own} == {hook: {1} for hook in own}
+    others = {"broadcast", "client_model", "adapt", "predict", "client_report", "collect"}
+    assert {hook: counts[hook] for hook in others} == {hook: {2} for hook in others}
+    trained = result.metrics[result.metrics["train_steps"] > 0]
+    assert len(trained) > 0 and (trained["train_loss"] == 2).all()
+    assert torch.get_num_threads() == OUTSIDE_THREADS

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pfedkit.algorithms.base import Fit, Forward, cross_entropy
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.core.contract import Fit, Forward, cross_entropy
+from pfedkit.core.params import Params, clone
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.models.mlp import MLP
 

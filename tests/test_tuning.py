@@ -16,6 +16,7 @@ from pfedkit.data.datasets import Dataset, load_dataset
 from pfedkit.data.federated import split_indices
 from pfedkit.data.validation import carve_validation, validation_size
 from pfedkit.experiments.tuning import BEST, BEST_CONFIG, STUDY_DB, read_tuned, tune
+from pfedkit.federation import split_plan
 from pfedkit.run_identity import flatten
 
 BASE = {"dataset": "digits", "num_clients": 3, "rounds": 2, "threads": 1, "seed": 0,
@@ -45,7 +46,7 @@ def uninterrupted(tmp_path_factory):
 def test_validation_split_disjoint_from_training_and_test_and_covers_fraction():
     config = base_config(num_clients=5)
     dataset = load_dataset("digits")
-    train, test = split_indices(config, dataset)
+    train, test = split_indices(split_plan(config), dataset)
     remaining, validation = carve_validation(train, dataset.y, 0.2, seed=0)
     for cid in range(5):
         assert len(np.intersect1d(validation[cid], remaining[cid])) == 0
@@ -75,7 +76,7 @@ def test_validation_size_keeps_a_training_sample():
 def test_tuning_never_reads_the_test_split(tmp_path, monkeypatch):
     config = base_config()
     dataset = load_dataset("digits")
-    train, test = split_indices(config, dataset)
+    train, test = split_indices(split_plan(config), dataset)
     test_rows = np.concatenate(test)
     read: list[np.ndarray] = []
     original_rows = Dataset.rows
@@ -292,7 +293,7 @@ def test_flower_refuses_a_validation_split_in_one_line(tmp_path, capsys, command
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "validation_fraction" in err and "allowed" in err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "app").exists()
-    from pfedkit.config import ConfigError
+    from pfedkit.core.errors import ConfigError
     from pfedkit.flower.server import serve
 
     with pytest.raises(ConfigError, match="validation_fraction"):  # a ServerApp started by hand refuses too

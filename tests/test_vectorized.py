@@ -14,13 +14,13 @@ from torch import nn
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names
-from pfedkit.algorithms.base import Fit, Forward
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.config import load_config
+from pfedkit.core.contract import Fit, Forward
+from pfedkit.core.seeds import torch_generator
+from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.engine.trainer import batch_schedule
-from pfedkit.engine.vectorized import VectorizedRuntime
-from pfedkit.engine.seeds import torch_generator
 from pfedkit.runs import CHECKPOINT, prepare
 
 BATCH = 16

@@ -1,18 +1,18 @@
 """Algorithms: one small module each, registered by name with `@register`.
 
 Every module of this package is imported on first lookup (`algorithm_names`, `get_algorithm`) so
-that its algorithms register themselves; a new algorithm is a new file. Importing the package or
-`base` alone imports no algorithm, which keeps the engine free of import cycles. See `base.py`
-for the contract every algorithm follows.
+that its algorithms register themselves; a new algorithm is a new file. Importing the package
+alone imports no algorithm. The contract every algorithm follows is `pfedkit.core.contract`.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from pfedkit.algorithms.base import Algorithm, registry
+from pfedkit.algorithms.registry import registry
+from pfedkit.core.contract import Algorithm
 
-_HELPER_MODULES = {"base", "clusters", "params", "peers", "prototypes", "scoring"}
+_HELPER_MODULES = {"registry", "clusters", "peers", "prototypes", "prototype_exchange", "scoring"}
 _loaded = False
 
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Batch, ClientData, ClientUpdate, Fit, Message, StepTools, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params, clone, interpolate
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Batch, ClientData, ClientUpdate, Fit, Message, StepTools
+from pfedkit.core.params import Params, clone, interpolate
 
 PERSONAL = "personal."  # prefix of v among a Fit's extra tensors
 ALPHA = "alpha"

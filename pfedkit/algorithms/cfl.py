@@ -22,7 +22,6 @@ Communication: one model down, one model + n_i up.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -31,8 +30,9 @@ from scipy.cluster.hierarchy import linkage, to_tree
 from scipy.spatial.distance import squareform
 
 from pfedkit.algorithms import clusters
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone
 
 _COSINE_EPS = 1e-12  # norms below this count as zero updates (cosine 0 with everything)
 
@@ -176,31 +176,3 @@ class CFL(Algorithm):
 
         cluster, _ = choose_cluster(self.setup.ops_for(cid), server["models"], data)
         return server["models"][cluster]
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """Clusters over rounds (`clusters.report_clusters`) and the per-cluster mean and max update
-        norm curves with the eps1 / eps2 lines and the split rounds."""
-        from pfedkit.report.plots import lines
-
-        written = clusters.report_clusters(diagnostics, out_dir, "cfl")
-        mean_norms, max_norms = diagnostics.get("mean_norm") or {}, diagnostics.get("max_norm") or {}
-        if not mean_norms:
-            return written
-        rounds = sorted(mean_norms)
-        count = max(len(mean_norms[r]) for r in rounds)
-        thresholds = diagnostics.get("thresholds") or {}
-        eps = dict(zip(("eps1", "eps2"), thresholds[max(thresholds)])) if thresholds else {}
-        split_rounds = {f"split (round {r})": r for r in sorted(diagnostics.get("splits") or {})}
-        for key, values, threshold, what in (("mean_norm", mean_norms, "eps1", "‖weighted mean of Δ_i‖"),
-                                             ("max_norm", max_norms, "eps2", "max_i ‖Δ_i‖")):
-            series = {f"cluster {c}": [values[r][c] if c < len(values[r]) else np.nan for r in rounds]
-                      for c in range(count)}
-            if threshold in eps:
-                series[threshold] = [eps[threshold]] * len(rounds)
-            written.append(lines(rounds, series, Path(out_dir) / f"cfl_{key}.png",
-                                 f"CFL: {what} per cluster (split if mean < eps1 and max > eps2)",
-                                 "round", what, vlines=split_rounds))
-        return written

@@ -4,23 +4,22 @@ IFCA, CFL, FeSEM, FedPFA (hard assignment: client -> one cluster) and FedSoft (s
 client x cluster) keep K models on the server and rebuild each one from the uploads of the clients
 it serves. One function does that rebuild for all of them (`cluster_means`, a weighted mean per
 cluster whose weights are a [K, m] matrix; hard assignments are the one-hot case), one draws K
-differently initialised models, one picks a cluster from losses or distances, and one records and
-draws the assignments, so no method carries its own aggregation loop or plot.
+differently initialised models, one picks a cluster from losses or distances, and one records
+the assignments, so no method carries its own aggregation loop.
 
 Diagnostics written here (per round): "cluster_assignment" [N] int, -1 for clients not seen that
-round; "cluster_weights" [N, K] float (soft methods). `report_clusters` draws both.
+round; "cluster_weights" [N, K] float (soft methods). The report draws both (`clusters` in
+report/methods/shared.py); algorithms draw nothing.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from pfedkit.algorithms.params import Params, clone, weighted_mean
-from pfedkit.engine.seeds import SERVER, derive_seed
+from pfedkit.core.params import Params, clone, weighted_mean
+from pfedkit.core.seeds import SERVER, derive_seed
 
 UNASSIGNED = -1
 
@@ -80,25 +79,3 @@ def assignment_vector(num_clients: int, assignment: dict[int, int]) -> np.ndarra
     for cid, cluster in assignment.items():
         vector[cid] = cluster
     return vector
-
-
-def report_clusters(diagnostics: dict[str, dict[int, Any]], out_dir: Path, name: str) -> list[Path]:
-    """Client x round map of "cluster_assignment" and the last "cluster_weights" matrix (if any)."""
-    from pfedkit.report.plots import heatmap
-
-    written = []
-    assignments = diagnostics.get("cluster_assignment") or {}
-    if assignments:
-        rounds = sorted(assignments)
-        grid = np.stack([np.asarray(assignments[r], dtype=float) for r in rounds], axis=1)
-        grid[grid < 0] = np.nan  # not seen that round
-        written.append(heatmap(grid, Path(out_dir) / f"{name}_clusters.png",
-                               f"{name}: cluster of each client per round (blank: not seen)",
-                               f"recorded round (column 0 = round {rounds[0]})", "client", colorbar="cluster"))
-    soft = diagnostics.get("cluster_weights") or {}
-    if soft:
-        last = max(soft)
-        written.append(heatmap(soft[last], Path(out_dir) / f"{name}_cluster_weights.png",
-                               f"{name}: client-to-cluster weights (round {last})", "cluster", "client",
-                               colorbar="weight", vmin=0, vmax=1))
-    return written

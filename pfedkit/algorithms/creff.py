@@ -26,25 +26,20 @@ written out by hand (`linear_ce_gradients`), vectorised over classes.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, linear_layer_names, merge, select
-from pfedkit.config import ConfigError
-from pfedkit.engine.runtime import thread_count
-from pfedkit.engine.seeds import SERVER, torch_generator
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, linear_layer_names, merge, select
+from pfedkit.core.seeds import SERVER, torch_generator
 
 FEATURE_CHUNK = 512  # samples per eval-mode forward when computing features (memory bound only)
-# The server's loops and the client's gradient draws are thousands of tiny ops: one thread is
-# fastest (several threads cost ~50x per op in spin-up when the machine is busy). Set for these
-# calls only; they always run in the main process, so every backend computes the same.
-SMALL_OP_THREADS = 1
 COSINE_FLOOR = 1e-12  # cos = <a, b> / max(|a||b|, COSINE_FLOOR): rows of zeros give cos 0
 
 
@@ -189,6 +184,10 @@ class CReFF(Algorithm):
     name = "creff"
     description = "CReFF: FedAvg + a classifier re-trained on server-side features learnt by gradient matching"
     head = "last"
+    # The server's loops and the clients' gradient draws are thousands of tiny ops: one thread is
+    # fastest. The engine runs this algorithm's own code (client updates between their Fits, the
+    # aggregation) with it; local training keeps the run's count (`Algorithm.small_op_threads`).
+    small_op_threads = 1
 
     class Hyper(BaseModel):
         """CReFF options (defaults: the CReFF-FL code's `options.py`, = the paper [paper][code: CReFF-FL]).
@@ -259,11 +258,10 @@ class CReFF(Algorithm):
         weight_name, bias_name = linear_layer_names(head_re, "head")
         features = self.setup.ops_for(cid).features(message["params"], data.x_train, data.buffers,
                                                     chunk=FEATURE_CHUNK).reshape(data.n_train, -1)
-        with thread_count(SMALL_OP_THREADS):
-            grads = class_gradients(features, data.y_train.long(), head_re[weight_name],
-                                    head_re[bias_name] if bias_name else None, batch_size=self.h.grad_batch_size,
-                                    repeats=self.h.grad_repeats,
-                                    generator=torch_generator(self.setup.seed, rnd, cid, "creff-grad"))
+        grads = class_gradients(features, data.y_train.long(), head_re[weight_name],
+                                head_re[bias_name] if bias_name else None, batch_size=self.h.grad_batch_size,
+                                repeats=self.h.grad_repeats,
+                                generator=torch_generator(self.setup.seed, rnd, cid, "creff-grad"))
         return {c: {weight_name: w, **({bias_name: b} if bias_name else {})} for c, (w, b) in grads.items()}
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
@@ -284,18 +282,16 @@ class CReFF(Algorithm):
         generator = torch_generator(self.setup.seed, rnd, SERVER, "creff-retrain")
         start_w, start_b = fresh_linear(dim, classes, generator, with_bias=bias_name is not None)
         labels = torch.arange(classes).repeat_interleave(m)
-        with thread_count(SMALL_OP_THREADS):
-            features, losses = match_features(server["features"], targets, weight, bias, steps=self.h.feature_steps,
-                                              lr=self.h.feature_lr, match_bias=self.h.match_bias)
-            flat = features.reshape(classes * m, dim)
-            new_w, new_b = retrain_classifier(flat, labels, start_w, start_b, epochs=self.h.retrain_epochs,
-                                              lr=self.h.retrain_lr, batch_size=self.h.retrain_batch_size,
-                                              generator=generator)
+        features, losses = match_features(server["features"], targets, weight, bias, steps=self.h.feature_steps,
+                                          lr=self.h.feature_lr, match_bias=self.h.match_bias)
+        flat = features.reshape(classes * m, dim)
+        new_w, new_b = retrain_classifier(flat, labels, start_w, start_b, epochs=self.h.retrain_epochs,
+                                          lr=self.h.retrain_lr, batch_size=self.h.retrain_batch_size,
+                                          generator=generator)
         if losses:
             self.record(rnd, "matching_loss_start", losses[0])
             self.record(rnd, "matching_loss", losses[-1])
-        with thread_count(SMALL_OP_THREADS):
-            self.record(rnd, "retrain_loss", mean_cross_entropy(flat, labels, new_w, new_b))
+        self.record(rnd, "retrain_loss", mean_cross_entropy(flat, labels, new_w, new_b))
         self.record(rnd, "matched_classes", len(targets))
         head = {weight_name: new_w, **({bias_name: new_b} if bias_name else {})}
         return {"features": features, "head_re": head}
@@ -303,22 +299,6 @@ class CReFF(Algorithm):
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         """(theta^{t+1}, phi_re); with retrain=False the FedAvg model."""
         return merge(server["params"], server["head_re"]) if self.h.retrain else server["params"]
-
-    # --- report --------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import lines
-
-        series = {label: diagnostics.get(key) or {} for key, label in
-                  (("matching_loss_start", "matching loss, before"), ("matching_loss", "matching loss, after"),
-                   ("retrain_loss", "re-trained classifier CE on F"))}
-        series = {label: values for label, values in series.items() if values}
-        if not series:
-            return []
-        rounds = sorted(next(iter(series.values())))
-        return [lines(rounds, {label: [values.get(r, np.nan) for r in rounds] for label, values in series.items()},
-                      Path(out_dir) / "creff_losses.png", "CReFF: server-side losses per round", "round", "loss")]
 
 
 def mean_class_gradients(replies: dict[int, Message], weight_name: str, bias_name: str | None

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
 from pfedkit.algorithms.fedprox import proximal_loss
-from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
-from pfedkit.algorithms.params import Params, clone, flatten
+from pfedkit.algorithms.peers import mix, mixing_matrix
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.params import Params, clone, flatten
 
 # The proximal weight λ: the paper gives no value. Picked from the sweep in benchmarks/RESULTS.md
 # ("DA-PFL lambda sweep": MNIST, 20 clients, Dirichlet 0.1): λ = 0.1 was best, λ = 1 cost ~2 points.
@@ -346,25 +346,3 @@ class DAPFL(Algorithm):
     def new_client_refusal(self) -> str:
         return ("its server keeps no model between rounds: a peer mixture w_i^g exists only for a round's "
                 "participants, from their uploads, and needs the newcomer's class counts from the setup exchange")
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap, lines
-
-        out_dir = Path(out_dir)
-        written: list[Path] = []
-        if diagnostics.get("affinity"):
-            matrix = next(iter(diagnostics["affinity"].values()))
-            written.append(heatmap(matrix, out_dir / "dapfl_affinity.png", "DA-PFL affinity c (eq. 3-6)",
-                                   "client j", "client i", colorbar="affinity", vmin=0, vmax=1))
-        written += report_mixing(diagnostics, "aggregation_weights", out_dir / "dapfl_aggregation_weights.png",
-                                 "DA-PFL aggregation weights α (eq. 8)")
-        sigmas = diagnostics.get("sigma") or {}
-        if len(sigmas) > 1:
-            ordered = sorted(sigmas)
-            written.append(lines(ordered, {"σ": [sigmas[r] for r in ordered]}, out_dir / "dapfl_sigma.png",
-                                 "DA-PFL distance scale σ per round", "round", "σ"))
-        return written
-

@@ -15,10 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.fedprox import proximal_loss
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone
 
 
 @register

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
 from pfedkit.algorithms.fedprox import proximal_loss
-from pfedkit.algorithms.params import Params, clone, squared_distance_f64
-from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
+from pfedkit.algorithms.peers import mix, mixing_matrix
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone, squared_distance_f64
 
 
 def squared_distances_to(models: Sequence[Params], i: int) -> np.ndarray:
@@ -111,18 +111,3 @@ class FedAMP(Algorithm):
     def new_client_refusal(self) -> str:
         return ("its server stores every client's model and mixes all of them, a newcomer's initial one "
                 "included, into each participant's cloud model, so a newcomer would not stay out of training")
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import lines
-
-        out_dir = Path(out_dir)
-        written = report_mixing(diagnostics, "xi", out_dir / "fedamp_xi.png", "FedAMP attention weights ξ")
-        guarded = diagnostics.get("guarded_rows") or {}
-        if len(guarded) > 1:
-            ordered = sorted(guarded)
-            written.append(lines(ordered, {"rows rescaled": [guarded[r] for r in ordered]},
-                                 out_dir / "fedamp_guarded_rows.png",
-                                 "FedAMP rows where Σ_{j≠i} ξ_ij > 1 (rescaled, ξ_ii = 0)", "round",
-                                 "participants"))
-        return written

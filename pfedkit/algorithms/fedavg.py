@@ -6,19 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, weighted_mean
-
-
-def fedavg_aggregate(replies: dict[int, Message], key: str = "params") -> Params:
-    """w = sum_i n_i w_i / sum_i n_i over the replies (each carries `key` and `weight` = n_i)."""
-    ordered = sorted(replies)
-    return weighted_mean([replies[c][key] for c in ordered], [replies[c]["weight"] for c in ordered])
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import MeanOfUploads
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone
 
 
 @register
-class FedAvg(Algorithm):
+class FedAvg(MeanOfUploads, Algorithm):
+    """The server averages the whole model (`MeanOfUploads`, key "params")."""
     name = "fedavg"
     description = "FedAvg: one global model, sample-weighted averaging"
 
@@ -35,14 +31,6 @@ class FedAvg(Algorithm):
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
         params = yield self.local_fit(message)
         return client, {"params": params, "weight": data.n_train}
-
-    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
-        if not replies:
-            return server
-        return {"params": fedavg_aggregate(replies)}
-
-    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
-        return params_mean_aggregation(self, FedAvg, rnd, server, cids, "params")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         return server["params"]

@@ -16,15 +16,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, merge, select
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import MeanOfUploads
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone, merge, select
 
 
 @register
-class FedBABU(Algorithm):
+class FedBABU(MeanOfUploads, Algorithm):
     name = "fedbabu"
+    averaged = "body"  # the server averages the bodies (`MeanOfUploads`)
     description = "FedBABU: body-only federated training with a fixed random head, fine-tuned at evaluation"
 
     class Hyper(BaseModel):
@@ -48,12 +49,6 @@ class FedBABU(Algorithm):
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         params = yield Fit(merge(message["params"], client["head"]), trainable="body")
         return client, {"params": select(params, "body"), "weight": data.n_train}
-
-    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
-        return {"body": fedavg_aggregate(replies)} if replies else server
-
-    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
-        return params_mean_aggregation(self, FedBABU, rnd, server, cids, "body")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return merge(server["body"], client["head"])

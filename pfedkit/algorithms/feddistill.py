@@ -23,18 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
-                                     cross_entropy, register)
-from pfedkit.algorithms.params import Params, clone
 from pfedkit.algorithms.prototypes import class_means, message_to_table, table_to_message
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.params import Params, clone
 
 LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
 
@@ -187,22 +185,3 @@ class FedDistill(Algorithm):
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return client["params"]
-
-    # -- report --------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """softmax(z̄_c) per class (rows) after the first and the last round."""
-        from pfedkit.report.plots import heatmaps_side_by_side
-
-        per_round = diagnostics.get("global_logits", {})
-        if not per_round:
-            return []
-        first, last = min(per_round), max(per_round)
-        probabilities = [torch.softmax(torch.as_tensor(per_round[r], dtype=torch.float64), dim=1).numpy()
-                         for r in (first, last)]  # rows without a vector stay NaN
-        return [heatmaps_side_by_side([np.nan_to_num(p) for p in probabilities],
-                                      [f"round {first}", f"round {last}"],
-                                      Path(out_dir) / "feddistill_global_soft_labels.png",
-                                      "softmax of the global mean logits (0: no vector)", "predicted class",
-                                      "label")]

@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, flatten
-from pfedkit.algorithms.peers import mix, mixing_matrix, report_mixing
+from pfedkit.algorithms.peers import mix, mixing_matrix
+from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import mean_loss
-from pfedkit.config import ConfigError, ConfigWarning
-from pfedkit.engine.seeds import SERVER, numpy_rng
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError, ConfigWarning
+from pfedkit.core.params import Params, clone, flatten
+from pfedkit.core.seeds import SERVER, numpy_rng
 
 DISTANCE_EPS = 1e-5  # the 1e-5 added to ||theta_j - theta_old|| [paper/code]
 
@@ -208,19 +208,3 @@ class FedFomo(Algorithm):
     def new_client_refusal(self) -> str:
         return ("a client's model is its own mixture of the peers it chose by affinities learned over its "
                 "own past rounds, which a newcomer does not have")
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap
-
-        out_dir = Path(out_dir)
-        written = report_mixing(diagnostics, "weights", out_dir / "fedfomo_weights.png",
-                                "FedFomo mixing weights w_ij (diagonal: kept own model)")
-        affinities: Mapping[int, Any] = diagnostics.get("P") or {}
-        if affinities:
-            last = max(affinities)
-            written.append(heatmap(affinities[last], out_dir / "fedfomo_affinity.png",
-                                   f"FedFomo affinity P (round {last})", "peer j", "client i", colorbar="P"))
-        return written

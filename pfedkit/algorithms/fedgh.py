@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch.func import functional_call
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, merge, select, unprefixed
 from pfedkit.algorithms.prototypes import present_class_means
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, torch_generator
-from pfedkit.engine.trainer import batch_order
+from pfedkit.algorithms.registry import register
+from pfedkit.core.batches import batch_order
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, merge, select, unprefixed
+from pfedkit.core.seeds import SERVER, torch_generator
 
 FEATURE_CHUNK = 512  # samples per forward when computing class means (memory bound only)
 

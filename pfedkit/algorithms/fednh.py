@@ -25,19 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
-from pfedkit.algorithms.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.algorithms.prototypes import table_to_message
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, torch_generator
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
+from pfedkit.core.seeds import SERVER, torch_generator
 
 FEATURE_CHUNK = 512  # samples per forward when computing the class prototypes (memory bound only)
 SCALE = "scale"  # name of s among a Fit's extra tensors
@@ -237,34 +236,3 @@ class FedNH(Algorithm):
         if self.personal(client):
             return cosine_logits(features, client["params"][self.weight_name], client["scale"])
         return cosine_logits(features, server["prototypes"], server["scale"])
-
-    # -- report --------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """Cosine similarity of the last recorded prototypes, 1 - cos(mu^t, mu^{t-1}) per class
-        and round, and s over rounds."""
-        from pfedkit.report.plots import heatmap, lines
-
-        written = []
-        recorded = diagnostics.get("prototypes", {})
-        if recorded:
-            last = max(recorded)
-            mu = np.asarray(recorded[last], dtype=float)
-            mu = mu / np.maximum(np.linalg.norm(mu, axis=1, keepdims=True), 1e-12)
-            written.append(heatmap(mu @ mu.T, Path(out_dir) / "fednh_prototype_similarity.png",
-                                   f"cosine similarity of the prototypes after round {last}", "class", "class",
-                                   colorbar="cosine", vmin=-1, vmax=1))
-        shifts = diagnostics.get("prototype_shift", {})
-        if shifts:
-            rounds = sorted(shifts)
-            matrix = np.stack([np.asarray(shifts[r], dtype=float) for r in rounds]).T  # [C, T]
-            written.append(heatmap(matrix, Path(out_dir) / "fednh_prototype_shift.png",
-                                   "1 - cos(mu_c after, mu_c before) per round", "round index (0 = first round)",
-                                   "class", colorbar="1 - cosine"))
-        scales = diagnostics.get("scale", {})
-        if scales:
-            rounds = sorted(scales)
-            written.append(lines(rounds, {"s": [scales[r] for r in rounds]}, Path(out_dir) / "fednh_scale.png",
-                                 "scale s of the cosine logits (server mean)", "round", "s"))
-        return written

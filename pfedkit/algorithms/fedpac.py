@@ -38,10 +38,11 @@ import scipy.optimize
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
 from pfedkit.algorithms.prototypes import alignment_loss, class_means, global_prototypes, present_class_means
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone, merge, select, weighted_mean
 
 FEATURE_CHUNK = 512      # samples per forward for the client's statistics (memory bound only)
 PSD_EIGENVALUE_FLOOR = 0.01  # eigenvalues kept when the QP matrix must be projected to PSD

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, merge, select
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import MeanOfUploads
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone, merge, select
 
 
 @register
-class FedPer(Algorithm):
+class FedPer(MeanOfUploads, Algorithm):
     name = "fedper"
     description = "FedPer: FedAvg on the body, each client keeps its own head"
     shared: ClassVar[str] = "body"  # the part the server averages; the other one stays private
+    averaged = "shared"  # the server key holding the mean of that part (`MeanOfUploads`)
 
     @property
     def private(self) -> str:
@@ -42,12 +43,6 @@ class FedPer(Algorithm):
         params = yield from self.local_training(merge(message["params"], client["private"]))
         return ({"private": select(params, self.private)},
                 {"params": select(params, self.shared), "weight": data.n_train})
-
-    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
-        return {"shared": fedavg_aggregate(replies)} if replies else server
-
-    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
-        return params_mean_aggregation(self, FedPer, rnd, server, cids, "shared")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return merge(server["shared"], client["private"])

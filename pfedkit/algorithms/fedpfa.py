@@ -19,18 +19,18 @@ Client state: none. Evaluated model: the client's group model; an ungrouped clie
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.clusters import assignment_vector, cluster_means, one_hot_weights, report_clusters
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone
-from pfedkit.config import ConfigError
+from pfedkit.algorithms.clusters import assignment_vector, cluster_means, one_hot_weights
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone
 
 FEATURE_CHUNK = 512  # samples per eval-mode forward when computing the sparsity vector (memory only)
 
@@ -170,32 +170,3 @@ class FedPFA(Algorithm):
         """The client's group model; ungrouped: the federated (in phase 1 the global) model."""
         group = server["assignment"].get(cid)
         return server["params"] if group is None else server["group_models"][group]
-
-    # --- report --------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap
-
-        out_dir = Path(out_dir)
-        written = report_clusters(diagnostics, out_dir, "fedpfa")
-        received = diagnostics.get("sparsity") or {}
-        if not received:
-            return written
-        matrix = np.full_like(next(iter(received.values())), np.nan, dtype=np.float64)
-        for rnd in sorted(received):
-            rows = ~np.isnan(received[rnd]).all(axis=1)
-            matrix[rows] = received[rnd][rows]
-        written.append(heatmap(matrix, out_dir / "fedpfa_sparsity.png",
-                               "FedPFA: sparsity vectors (fraction of zero activations per body-output unit)",
-                               "unit", "client", colorbar="fraction zero", vmin=0, vmax=1,
-                               figsize=(9, max(3, 0.3 * matrix.shape[0] + 1.5))))
-        seen = ~np.isnan(matrix).all(axis=1)
-        distances = np.full((len(matrix), len(matrix)), np.nan)
-        if seen.any():
-            block = matrix[seen]
-            distances[np.ix_(seen, seen)] = np.linalg.norm(block[:, None, :] - block[None, :, :], axis=-1)
-        written.append(heatmap(distances, out_dir / "fedpfa_sparsity_distances.png",
-                               "FedPFA: Euclidean distance between sparsity vectors", "client", "client",
-                               colorbar="distance"))
-        return written

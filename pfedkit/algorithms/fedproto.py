@@ -1,9 +1,11 @@
 """FedProto (Tan, Long, Liu, Zhou, Lu, Jiang, Zhang, *FedProto: Federated Prototype Learning across
 Heterogeneous Clients*, AAAI 2022; spec baselines.md "FedProto").
 
-FedProto is pFedPM (`pfedpm.py`) with the mixing weight a = 0 and no relation head: the subclass
-below reuses pFedPM's math (eq. 6 class means, eq. 7 global features, the feature messages) and the
-shared `prototypes.alignment_loss` (FedProto's per-sample MSE), and changes only what differs.
+FedProto runs the class-feature exchange it shares with pFedPM (`prototype_exchange.py`: eq. 6
+class means, eq. 7 global features, the feature messages, the server state) with the mixing
+weight a = 0 (the target is the global prototype itself) and no relation head; this file holds
+only its local loss (the shared `prototypes.alignment_loss`, FedProto's per-sample MSE, or the
+paper's class distance) and its nearest-prototype prediction.
 
 Round t:
   1. The server sends every global prototype it has, C̄_c (none before round 1).
@@ -24,16 +26,16 @@ Paper-vs-code table: docs/algorithms/fedproto.md.
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone
-from pfedkit.algorithms.pfedpm import PFedPM, pfedpm_loss, report_feature_distance
-from pfedkit.algorithms.prototypes import alignment_loss, message_to_table
+from pfedkit.algorithms.prototype_exchange import PrototypeExchange, prototype_loss
+from pfedkit.algorithms.prototypes import alignment_loss
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone
 
 NO_PROTOTYPE = float("-inf")  # "logit" of a class without a global prototype: never predicted
 
@@ -46,7 +48,7 @@ def prototype_logits(features: torch.Tensor, prototypes: torch.Tensor, present: 
 
 
 @register
-class FedProto(PFedPM):
+class FedProto(PrototypeExchange, Algorithm):
     name = "fedproto"
     description = "FedProto: clients share class prototypes (mean features), predict by the nearest global prototype"
 
@@ -88,12 +90,13 @@ class FedProto(PFedPM):
         """Train on CE + lam * R against the received global prototypes (a = 0: every class with a
         global prototype is regularised, also on a client's first participation), then upload
         the class means of the trained body's outputs and the counts."""
-        prototypes, present = message_to_table(message.get("features", {}), self.setup.num_classes, self.feature_dim)
+        prototypes, present = self.received(message)
         if self.h.regulariser == "sample_mse":
             request = Fit(client["params"], loss=partial(alignment_loss, lambda_f=self.h.lam),
                           context={"prototypes": torch.where(present.unsqueeze(1), prototypes, torch.nan)})
         else:
-            request = Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam, regulariser=self.h.regulariser),
+            request = Fit(client["params"],
+                          loss=partial(prototype_loss, lam=self.h.lam, regulariser=self.h.regulariser),
                           context={"mixed": prototypes, "has_mixed": present})
         params = yield request
         _, means, counts = self.local_features(params, data)
@@ -105,8 +108,3 @@ class FedProto(PFedPM):
         if self.h.prediction == "head" or not bool(server["present"].any()):
             return self.setup.ops_for(cid).head_logits(client["params"], features)
         return prototype_logits(features, server["features"], server["present"])
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """Distance between each client's uploaded prototypes and the new global ones, per round."""
-        return report_feature_distance(diagnostics, out_dir, "fedproto_prototype_distance", "prototype")

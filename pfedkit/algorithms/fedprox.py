@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Fit, Forward, Message, cross_entropy, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params, squared_distance
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Fit, Forward, Message, cross_entropy
+from pfedkit.core.params import Params, squared_distance
 
 
 def proximal_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *, mu: float) -> torch.Tensor:

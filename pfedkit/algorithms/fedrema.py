@@ -25,18 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, cross_entropy, register
-from pfedkit.algorithms.params import Params, clone, merge, select, weighted_mean
 from pfedkit.algorithms.prototypes import alignment_loss, global_prototypes, present_class_means
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, torch_generator
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message, cross_entropy
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, merge, select, weighted_mean
+from pfedkit.core.seeds import SERVER, torch_generator
 
 PROBE_PURPOSE = "fedrema-probe"
 # The code's prototype similarity (sim_type=1) uses a plain softmax (§1.6).
@@ -390,36 +390,3 @@ class FedReMa(Algorithm):
         """g_φ(h̃) of every head on the round's probe, [m, C] (template in eval mode, no grad)."""
         probe = draw_probe(self.setup.seed, rnd, self._feature_dim(), self.h.probe_scale, purpose)
         return torch.cat([self.setup.ops.head_logits(head, probe) for head in heads])
-
-    # -- report ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        from pfedkit.report.plots import heatmap, heatmaps_side_by_side, lines
-
-        out_dir = Path(out_dir)
-        written: list[Path] = []
-        gaps = diagnostics.get("mean_max_gap", {})
-        ccp_end = next(iter(diagnostics.get("ccp_end", {}).values()), None)
-        ccp_rounds = sorted(rnd for rnd, active in diagnostics.get("ccp_active", {}).items() if active)
-        relevance = diagnostics.get("relevance", {})
-        picks = [ccp_rounds[0], ccp_rounds[len(ccp_rounds) // 2], ccp_rounds[-1]] if ccp_rounds else []
-        shown = sorted({rnd for rnd in picks if rnd in relevance})
-        if shown:
-            written.append(heatmaps_side_by_side(
-                [relevance[rnd] for rnd in shown], [f"round {rnd}" for rnd in shown],
-                out_dir / "fedrema_relevance.png", "FedReMa relevance S (first, middle, last CCP round)",
-                "participant", "participant"))
-        if gaps:
-            rounds = sorted(gaps)
-            marks = {f"CCP ends (round {ccp_end})": ccp_end} if ccp_end is not None else None
-            written.append(lines(rounds, {"mean max gap Δs̄": [gaps[r] for r in rounds]},
-                                 out_dir / "fedrema_max_gap.png", "FedReMa average maximum gap (eq. 8)",
-                                 "round", "Δs̄", vlines=marks))
-        maps = diagnostics.get("dependency_map", {})
-        if maps:
-            last = max(maps)
-            written.append(heatmap(maps[last], out_dir / "fedrema_dependency_map.png",
-                                   f"FedReMa dependency map G (after round {last})", "peer j", "client i",
-                                   colorbar="times selected"))
-        return written

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import ClientUpdate, Fit, register
 from pfedkit.algorithms.fedper import FedPer
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import ClientUpdate, Fit
+from pfedkit.core.params import Params
 
 
 @register

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.aggregation import Aggregation, params_mean_aggregation
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
-from pfedkit.algorithms.fedavg import fedavg_aggregate
-from pfedkit.algorithms.params import Params, clone, linear_layer_names, select
-from pfedkit.config import ConfigError
+from pfedkit.algorithms.registry import register
+from pfedkit.core.aggregation import MeanOfUploads
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, linear_layer_names, select
 
 ABSENT_LOG_COUNT = -1.0e4  # stands for log 0 = -inf: exp(-1e4) underflows to 0, no NaN
 PERSONAL = "personal"      # prefix of the personal head's names in Fit.extra / client state
@@ -110,7 +110,8 @@ def fedrod_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[
 
 
 @register
-class FedRoD(Algorithm):
+class FedRoD(MeanOfUploads, Algorithm):
+    """The server averages body + generic head (`MeanOfUploads`, key "params")."""
     name = "fedrod"
     description = "FedRoD: shared body + generic head on balanced softmax, private personal head on top"
     head = "last"
@@ -144,12 +145,6 @@ class FedRoD(Algorithm):
         personal = {name: trained[name] for name in client["personal"]}
         shared = {name: value for name, value in trained.items() if name.startswith(("body.", "head."))}
         return {"personal": personal}, {"params": shared, "weight": data.n_train}
-
-    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
-        return {"params": fedavg_aggregate(replies)} if replies else server
-
-    def start_aggregation(self, rnd: int, server: dict, cids: list[int]) -> Aggregation:
-        return params_mean_aggregation(self, FedRoD, rnd, server, cids, "params")  # a running sum
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """Global body + (generic head + personal head), see `with_personal_head`."""

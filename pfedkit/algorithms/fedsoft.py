@@ -29,19 +29,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy, register
-from pfedkit.algorithms.clusters import UNASSIGNED, cluster_means, report_clusters, seeded_models
-from pfedkit.algorithms.params import Params, clone, squared_distance, weighted_mean
+from pfedkit.algorithms.clusters import UNASSIGNED, cluster_means, seeded_models
+from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import sample_losses
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, numpy_rng
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, squared_distance, weighted_mean
+from pfedkit.core.seeds import SERVER, numpy_rng
 
 INIT_PURPOSE = "fedsoft-init"
 
@@ -229,9 +229,3 @@ class FedSoft(Algorithm):
 
         centre, _ = choose_cluster(self.setup.ops_for(cid), server["centres"], data)
         return server["centres"][centre]
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        return report_clusters(diagnostics, Path(out_dir), "fedsoft")

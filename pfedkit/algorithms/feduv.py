@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Fit, Forward, Message, cross_entropy, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Fit, Forward, Message, cross_entropy
+from pfedkit.core.params import Params
 
 
 def variance_loss(logits: torch.Tensor) -> torch.Tensor:

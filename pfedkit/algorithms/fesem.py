@@ -23,17 +23,17 @@ Communication: one model down, one model + n_i up.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms import clusters
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, squared_distance_f64
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, numpy_rng
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, squared_distance_f64
+from pfedkit.core.seeds import SERVER, numpy_rng
 
 
 def squared_distances(model: Params, centres: list[Params]) -> list[float]:
@@ -135,10 +135,3 @@ class FeSEM(Algorithm):
 
         centre, _ = choose_cluster(self.setup.ops_for(cid), server["centres"], data)
         return server["centres"][centre]
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        return clusters.report_clusters(diagnostics, out_dir, "fesem")
-

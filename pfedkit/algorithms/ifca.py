@@ -19,16 +19,16 @@ not implemented.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pfedkit.algorithms import clusters
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import mean_loss
-from pfedkit.config import ConfigError
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params
 
 
 def choose_cluster(ops, models: list[Params], data: ClientData) -> tuple[int, list[float]]:
@@ -99,9 +99,3 @@ class IFCA(Algorithm):
         data: the choice every participant makes (`choose_cluster`)."""
         cluster, _ = choose_cluster(self.setup.ops_for(cid), server["models"], data)
         return server["models"][cluster]
-
-    # --- report ------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        return clusters.report_clusters(diagnostics, out_dir, "ifca")

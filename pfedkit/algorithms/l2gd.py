@@ -19,9 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, register
-from pfedkit.algorithms.params import Params, clone, interpolate, weighted_mean
-from pfedkit.engine.seeds import SERVER, numpy_rng
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.params import Params, clone, interpolate, weighted_mean
+from pfedkit.core.seeds import SERVER, numpy_rng
 
 
 def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:

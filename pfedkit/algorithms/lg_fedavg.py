@@ -6,8 +6,8 @@ is not done. Evaluated: own body + global head. Communication: |head| up and dow
 """
 from __future__ import annotations
 
-from pfedkit.algorithms.base import register
 from pfedkit.algorithms.fedper import FedPer
+from pfedkit.algorithms.registry import register
 
 
 @register

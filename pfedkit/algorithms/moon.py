@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params, clone
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.params import Params, clone
 
 CHUNK = 1000  # samples per eval-mode forward when computing z_g and z_p (bounded memory)
 

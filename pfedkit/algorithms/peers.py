@@ -1,21 +1,20 @@
 """Per-client mixtures of peers' models: u_i = sum_j W[i, j] w_j, each row of W non-negative and
 summing to 1. FedAMP (attention-inducing weights), FedFomo (loss-improvement weights), DA-PFL
 (affinity x distance weights) and FedReMa (relevant peers' heads) differ only in how W is made;
-the mixing, its checks, the recorded matrix and its plot are here, once.
+the mixing, its checks and the recorded matrix are here, once.
 
 Diagnostics: each method records its [N, N] matrix (`mixing_matrix`: rows = receiving client,
 NaN rows for clients that received nothing that round) under a key of its own;
-`report_mixing` draws the first, middle and last recorded rounds side by side.
+the report draws the first, middle and last recorded rounds side by side (`mixing` in
+report/methods/shared.py); algorithms draw nothing.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from pfedkit.algorithms.params import Params, weighted_mean
+from pfedkit.core.params import Params, weighted_mean
 
 ROW_TOLERANCE = 1e-6
 
@@ -50,24 +49,3 @@ def mixing_matrix(num_clients: int, rows: Mapping[int, Mapping[int, float]]) -> 
         for peer, weight in row.items():
             matrix[receiver, peer] = weight
     return matrix
-
-
-def chosen_rounds(rounds: Sequence[int], count: int = 3) -> list[int]:
-    """First, middle and last recorded rounds (fewer if fewer were recorded)."""
-    if len(rounds) <= count:
-        return list(rounds)
-    picks = np.linspace(0, len(rounds) - 1, count).round().astype(int)
-    return [rounds[p] for p in sorted(set(picks.tolist()))]
-
-
-def report_mixing(diagnostics: dict[str, dict[int, Any]], key: str, path: Path, title: str) -> list[Path]:
-    """Side-by-side heatmaps of the recorded matrix `key` (first, middle, last round); [] if none."""
-    from pfedkit.report.plots import heatmaps_side_by_side
-
-    matrices = diagnostics.get(key) or {}
-    if not matrices:
-        return []
-    rounds = chosen_rounds(sorted(matrices))
-    return [heatmaps_side_by_side([np.nan_to_num(np.asarray(matrices[r], dtype=float), nan=0.0) for r in rounds],
-                                  [f"round {r}" for r in rounds], path,
-                                  f"{title}; empty rows: not mixed that round", "peer j", "client i")]

@@ -23,9 +23,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Batch, Fit, Message, StepTools, register
 from pfedkit.algorithms.fedavg import FedAvg
-from pfedkit.algorithms.params import Params
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Batch, Fit, Message, StepTools
+from pfedkit.core.params import Params
 
 
 def shifted(params: Params, direction: Params, scale: float) -> Params:

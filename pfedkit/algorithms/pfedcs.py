@@ -44,7 +44,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -52,10 +51,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, register
-from pfedkit.algorithms.params import Params, clone, linear_layer_names, merge, select, weighted_mean
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import derive_seed
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
+from pfedkit.core.seeds import derive_seed
 
 GROUPINGS = ("gmm", "kmeans", "agglomerative", "fixed")
 NORMALISATIONS = ("l2", "none")
@@ -525,43 +525,6 @@ class PFedCS(Algorithm):
         self.record(rnd, "collaborators", collaborators)
         self.record(rnd, "threshold", threshold)
 
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """Distance heatmaps of a few stage-1 rounds (paper Fig. 1), how often each client chose
-        each other one, and the mean number of candidates / collaborators per round."""
-        from pfedkit.report.plots import heatmap, heatmaps_side_by_side, lines
-
-        distances = diagnostics.get("distance", {})
-        chosen = diagnostics.get("collaborators", {})
-        if not distances or not chosen:
-            return []
-        out_dir = Path(out_dir)
-        rounds = sorted(distances)
-        shown = report_rounds(rounds)
-        matrices = [np.asarray(distances[r], dtype=float) for r in shown]
-        written = []
-        if all(np.isfinite(m).all() for m in matrices):
-            written.append(heatmaps_side_by_side(
-                matrices, [f"round {r}" for r in shown], out_dir / "pfedcs_distance.png",
-                "PFedCS: row-normalised classifier distances D^t (eq. 3)", "client j", "client k"))
-        else:  # partial participation: NaN outside P_t, one figure per round
-            written += [heatmap(m, out_dir / f"pfedcs_distance_round{r}.png",
-                                f"PFedCS: classifier distances, round {r} (blank: not in P_t)",
-                                "client j", "client k", "D_kj", vmin=0, vmax=1)
-                        for r, m in zip(shown, matrices)]
-        counts = sum(np.asarray(chosen[r], dtype=float) for r in sorted(chosen))
-        written.append(heatmap(counts, out_dir / "pfedcs_collaborators.png",
-                               f"PFedCS: times client j was a collaborator of k ({len(chosen)} rounds)",
-                               "collaborator j", "client k", "rounds chosen", vmin=0))
-        series = {"collaborators |Col_k|": [mean_row_count(chosen[r], distances[r]) for r in rounds]}
-        if "candidates" in diagnostics:
-            series["candidates |Cand_k|"] = [mean_row_count(diagnostics["candidates"][r], distances[r])
-                                             for r in rounds]
-        written.append(lines(rounds, series, out_dir / "pfedcs_collaborator_count.png",
-                             "PFedCS: mean number of candidates and collaborators per participant",
-                             "round", "clients"))
-        return written
-
 
 def weighted_sum(params_list: Sequence[Params], weights: np.ndarray) -> Params:
     """Eq. 6: v_k = sum_i p_i phi_i (weights used as given, so an unnormalised eq. 7 stays so)."""
@@ -572,18 +535,3 @@ def weighted_sum(params_list: Sequence[Params], weights: np.ndarray) -> Params:
     # weighted_mean divides by the sum; scaling back keeps eq. 6 literal when weights do not sum to 1
     mean = weighted_mean(params_list, weights)
     return mean if abs(total - 1.0) < 1e-12 else {name: value * total for name, value in mean.items()}
-
-
-def report_rounds(rounds: Sequence[int], count: int = 3) -> list[int]:
-    """Up to `count` evenly spaced rounds to show, skipping round 1 (identical initial heads) when
-    later rounds exist."""
-    usable = [r for r in rounds if r > 1] or list(rounds)
-    picks = np.linspace(0, len(usable) - 1, num=min(count, len(usable))).round().astype(int)
-    return sorted({usable[i] for i in picks})
-
-
-def mean_row_count(mask: np.ndarray, distance: np.ndarray) -> float:
-    """Mean number of chosen clients per participant (rows of clients in P_t)."""
-    mask = np.asarray(mask, dtype=float)
-    participants = ~np.isnan(np.asarray(distance, dtype=float)).all(axis=1)
-    return float(mask[participants].sum(axis=1).mean()) if participants.any() else 0.0

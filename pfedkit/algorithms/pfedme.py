@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.base import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools, register
-from pfedkit.algorithms.params import Params, clone, interpolate, weighted_mean
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools
+from pfedkit.core.params import Params, clone, interpolate, weighted_mean
 
 LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
 

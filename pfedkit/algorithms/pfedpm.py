@@ -37,72 +37,38 @@ pFedPM-mh (clients with models of different architectures, spec §2.9): config
 `client_model_options`; client features are computed with `setup.ops_for(cid)`, the client's own
 architecture. Only d-dimensional features travel, so all architectures must share d (`check`).
 
+The exchange itself (eqs. 6-7, server state, broadcast, the d check, the regularisers of eqs. 9
+and 11) lives in `prototype_exchange.py`, shared with FedProto; this file holds eq. (8), the local
+loss with R-pFedPM's relation term, and the relation module's training and prediction.
+
 Paper-vs-code table: docs/algorithms/pfedpm.md.
 """
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pfedkit.algorithms.base import (Algorithm, ClientData, ClientUpdate, Fit, Forward, Message,
-                                     cross_entropy, register)
-from pfedkit.algorithms.prototypes import FeatureTable, class_means, message_to_table, table_to_message
-from pfedkit.algorithms.params import Params, clone
-from pfedkit.config import ConfigError
-from pfedkit.engine.seeds import SERVER, derive_seed
+from pfedkit.algorithms.prototype_exchange import PrototypeExchange, prototype_loss
+from pfedkit.algorithms.prototypes import FeatureTable
+from pfedkit.algorithms.registry import register
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.params import Params, clone
+from pfedkit.core.seeds import SERVER, derive_seed
 from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
 
-FEATURE_CHUNK = 512  # samples per forward when computing local features (memory bound only)
 UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
 RELATION = "relation."  # psi's tensors in a Fit's extra (and its answer): "relation." + module name
 RELATION_STATISTICS = ("bn.running_mean", "bn.running_var")  # psi's BatchNorm buffers (not trained)
 # psi's own SGD settings before issue 22: it now trains in the engine's Fit with the run's.
 REMOVED_RELATION_KEYS = {"relation_lr", "relation_momentum", "relation_batch_size"}
 
-# Features travel as {class label: tensor [d]}; a table is the dense form ([C, d] + mask [C]).
-
 
 # ---------------------------------------------------------------------------------------------
 # The math (pure functions)
-
-
-def global_features(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int, int]]],
-                    weighting: str = "count") -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-    """Eq. (7) over the uploads that contain class c (N_c = those clients, n_c = sum_i n_{i,c}):
-
-        "count":   C̄^(c) = sum_{i in N_c} n_{i,c} C_i^(c) / n_c      (default [ours], sums to one)
-        "uniform": C̄^(c) = (1/|N_c|) sum_{i in N_c} C_i^(c)            (FedProto's code)
-        "printed": C̄^(c) = (1/|N_c|) sum_{i in N_c} (n_{i,c}/n_c) C_i^(c)  (FedProto's printed
-                   formula, which the paper's prose follows: "count" shrunk by 1/|N_c|)
-
-    Returns ({c: C̄^(c)}, {c: n_c}); a class nobody uploaded is absent. Accumulated in float64, so
-    the result does not depend on the order of the uploads beyond float32 rounding of the final value.
-    """
-    if weighting not in ("count", "uniform", "printed"):
-        raise ValueError(f"global_feature_weighting must be 'count', 'uniform' or 'printed', got {weighting!r}")
-    sums: dict[int, torch.Tensor] = {}
-    weights: dict[int, float] = {}
-    totals: dict[int, int] = {}
-    uploaders: dict[int, int] = {}
-    for features, counts in uploads:
-        for label, feature in features.items():
-            count = int(counts[label])
-            weight = 1.0 if weighting == "uniform" else float(count)
-            sums[label] = sums.get(label, 0) + weight * feature.double()
-            weights[label] = weights.get(label, 0.0) + weight
-            totals[label] = totals.get(label, 0) + count
-            uploaders[label] = uploaders.get(label, 0) + 1
-    dtype = next((f.dtype for features, _ in uploads for f in features.values()), torch.float32)
-    shrink = {label: (uploaders[label] if weighting == "printed" else 1) for label in sums}
-    means = {label: (sums[label] / (weights[label] * shrink[label])).to(dtype) for label in sorted(sums)}
-    return means, {label: totals[label] for label in sorted(totals)}
 
 
 def mix_features(local: torch.Tensor, has_local: torch.Tensor, global_: torch.Tensor,
@@ -114,39 +80,6 @@ def mix_features(local: torch.Tensor, has_local: torch.Tensor, global_: torch.Te
     has_mixed = has_local & has_global
     mixed = torch.where(has_mixed.unsqueeze(1), a * local + (1.0 - a) * global_, torch.zeros_like(local))
     return mixed, has_mixed
-
-
-def prototype_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: torch.Tensor,
-                          has_mixed: torch.Tensor) -> torch.Tensor:
-    """Eq. (9)'s R_i: MSE between f(x_b) and Ĉ^(y_b) over the samples whose class has a mixed
-    feature (mean over those samples and the d dimensions); 0 when none has one.
-
-    Written as a masked sum (no boolean indexing or data-dependent branch) so that it runs under
-    torch.vmap in the vectorized runtime. Depends on the body output only, so its gradient never
-    reaches the decision head.
-    """
-    selected = has_mixed[labels].to(features.dtype)  # [B]
-    squared = ((features - mixed[labels]) ** 2).sum(dim=1)
-    return (selected * squared).sum() / (selected.sum().clamp(min=1.0) * features.shape[1])
-
-
-def class_distance_regulariser(features: torch.Tensor, labels: torch.Tensor, mixed: torch.Tensor,
-                               has_mixed: torch.Tensor) -> torch.Tensor:
-    """Eq. (11) read literally: L_R = sum_{c} ||C_i^(c) - Ĉ_i^(c)||^2 (squared Euclidean distance),
-    over the classes c of the mini-batch that have a mixed feature, where C_i^(c) is the mean
-    feature of the batch's class-c samples (the mini-batch estimate of eq. 6). 0 when none has one.
-
-    Masked sums only (no boolean indexing), so it runs under torch.vmap like `prototype_regulariser`.
-    """
-    classes = torch.arange(mixed.shape[0], device=labels.device)
-    member = (labels.unsqueeze(1) == classes.unsqueeze(0)).to(features.dtype)  # [B, C]
-    counts = member.sum(dim=0)  # [C]
-    means = (member.transpose(0, 1) @ features) / counts.clamp(min=1.0).unsqueeze(1)  # [C, d]
-    selected = ((counts > 0) & has_mixed).to(features.dtype)
-    return (selected * ((means - mixed) ** 2).sum(dim=1)).sum()
-
-
-REGULARISERS = {"sample_mse": prototype_regulariser, "class_distance": class_distance_regulariser}
 
 
 def relation_class_features(mixed: torch.Tensor, has_mixed: torch.Tensor, global_: torch.Tensor,
@@ -219,17 +152,15 @@ def pfedpm_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[
                 detach_body: bool = False) -> torch.Tensor:
     """Eq. (9) (+ R-pFedPM's relation term): CE + lam * R_i [+ relation_weight * L_rel].
 
-    regulariser: "sample_mse" (`prototype_regulariser`, FedProto's per-sample form, default) or
-    "class_distance" (`class_distance_regulariser`, eq. 11 literally).
+    CE + lam * R_i is `prototype_exchange.prototype_loss` (regulariser: "sample_mse", FedProto's
+    per-sample form, default, or "class_distance", eq. 11 literally).
 
     context: "mixed" [C, d] and "has_mixed" [C]; for the relation term also "class_features" and
     "available" (`relation_term`: psi trained in this Fit, or fixed in "relation"). detach_body:
     the relation term sees the features without their gradient, so it never reaches the body.
     lam = 0 and no relation term is exactly the cross-entropy (Local training).
     """
-    loss = cross_entropy(out, y, params, context)
-    if lam:
-        loss = loss + lam * REGULARISERS[regulariser](out.features, y, context["mixed"], context["has_mixed"])
+    loss = prototype_loss(out, y, params, context, lam=lam, regulariser=regulariser)
     if relation_weight and "class_features" in context:
         features = out.features.detach() if detach_body else out.features
         loss = loss + relation_weight * relation_term(features, y, params, context)
@@ -243,27 +174,12 @@ def relation_only_loss(out: Forward, y: torch.Tensor, params: Params, context: M
     return weight * relation_term(context["features"][out.index], y, params, context)
 
 
-def feature_distance(features: Mapping[int, torch.Tensor], reference: Mapping[int, torch.Tensor]) -> float:
-    """Mean over the uploaded classes of ||C_i^(c) - C̄^(c)||_2 (diagnostic; nan if no class)."""
-    distances = [float(torch.linalg.vector_norm(feature - reference[label]))
-                 for label, feature in features.items() if label in reference]
-    return float(np.mean(distances)) if distances else float("nan")
-
-
-# ---------------------------------------------------------------------------------------------
-# Messages <-> dense tables
-
-
-# ---------------------------------------------------------------------------------------------
-# The algorithms
-
-
 @register
-class PFedPM(Algorithm):
+class PFedPM(PrototypeExchange, Algorithm):
+    """The exchange (server state, broadcast, eq. 6-7, own model) is `PrototypeExchange`'s; here:
+    the mix of eq. (8) and the local training of eq. (9)."""
     name = "pfedpm"
-    supports_heterogeneous_models = True  # only features travel (pFedPM-mh, spec §2.9)
     description = "pFedPM: clients exchange per-class mean features; local loss pulls features to a local/global mix"
-    head = "last"  # body = up to the 50-d fc1 feature, decision head = fc2 (spec §2.2)
 
     class Hyper(BaseModel):
         """pFedPM hyperparameters (seed spec §2.7).
@@ -304,28 +220,7 @@ class PFedPM(Algorithm):
                                  "use 'eval_pass'")
             return value
 
-    def __init__(self, hyper: BaseModel, setup) -> None:
-        super().__init__(hyper, setup)
-        self.feature_dim = int(setup.ops.template.feature_dim)
-
-    def check(self) -> None:
-        """Only d-dimensional features travel (pFedPM-mh), so every client's architecture must
-        produce the default architecture's d: a mismatch would fail in the server's eq. (7)."""
-        dims = {cid: int(self.setup.ops_for(cid).template.feature_dim) for cid in range(self.setup.num_clients)}
-        odd = sorted(cid for cid, dim in dims.items() if dim != self.feature_dim)
-        if odd:
-            raise ConfigError(
-                f"client_model_options: {self.name} exchanges d-dimensional features, so every client's model "
-                f"needs the feature dimension of model_options' model (d = {self.feature_dim}); clients {odd} "
-                f"have d = {sorted({dims[c] for c in odd})}; change their options so that d is {self.feature_dim}")
-
     # -- state ---------------------------------------------------------------------------------
-
-    def init_server(self, params: Params) -> dict[str, torch.Tensor]:
-        """Global features C̄ [C, d], which classes have one, and N_c (none before round 1)."""
-        c, d = self.setup.num_classes, self.feature_dim
-        return {"features": torch.zeros(c, d), "present": torch.zeros(c, dtype=torch.bool),
-                "counts": torch.zeros(c, dtype=torch.int64)}
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         """Own model (never uploaded) and the local features of its last participation."""
@@ -334,34 +229,10 @@ class PFedPM(Algorithm):
 
     # -- round ---------------------------------------------------------------------------------
 
-    def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        """All global features known (R-pFedPM needs those of classes a client lacks too)."""
-        down = {"features": table_to_message(server["features"], server["present"])}
-        return {cid: down for cid in cids}
-
     def received_and_mixed(self, client: dict, message: Message) -> tuple[FeatureTable, FeatureTable]:
-        received = message_to_table(message.get("features", {}), self.setup.num_classes, self.feature_dim)
+        received = self.received(message)
         mixed = mix_features(client["local"], client["has_local"], *received, self.h.a)
         return received, mixed
-
-    def local_features(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Body outputs of the training data (eval mode, no grad) and eq. (6) -> (h, means, counts).
-
-        Run with the client's own BatchNorm statistics (`data.buffers`, as they are after its
-        latest Fit), the statistics its model predicts with, not the template's initial ones.
-        """
-        ops, buffers = self.setup.ops_for(data.cid), data.buffers
-        features = (ops.features(params, data.x_train, buffers, chunk=FEATURE_CHUNK).float() if data.n_train
-                    else torch.zeros(0, self.feature_dim))
-        means, counts = class_means(features, data.y_train, self.setup.num_classes)
-        return features, means, counts
-
-    @staticmethod
-    def upload(means: torch.Tensor, counts: torch.Tensor) -> Message:
-        """Spec §2.5 step 4: {(c, C_i^(c), n_{i,c})} for the owned classes: |classes| (d + 1) numbers."""
-        present = counts > 0
-        return {"features": table_to_message(means, present),
-                "counts": {int(c): int(counts[c]) for c in present.nonzero().squeeze(1).tolist()}}
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         _, (mixed, has_mixed) = self.received_and_mixed(client, message)
@@ -369,65 +240,6 @@ class PFedPM(Algorithm):
                            context={"mixed": mixed, "has_mixed": has_mixed})
         _, means, counts = self.local_features(params, data)
         return {"params": params, "local": means, "has_local": counts > 0}, self.upload(means, counts)
-
-    def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, torch.Tensor]:
-        """Eq. (7) over this round's uploads; classes nobody uploaded keep their previous feature."""
-        if not replies:
-            return server
-        ordered = sorted(replies)
-        means, totals = global_features([(replies[c]["features"], replies[c]["counts"]) for c in ordered],
-                                        self.h.global_feature_weighting)
-        server = {name: value.clone() for name, value in server.items()}
-        for label, feature in means.items():
-            server["features"][label] = feature
-            server["present"][label] = True
-            server["counts"][label] = totals[label]
-        current = table_to_message(server["features"], server["present"])
-        distances = np.full(self.setup.num_clients, np.nan)
-        for cid in ordered:
-            distances[cid] = feature_distance(replies[cid]["features"], current)
-        self.record(rnd, "local_global_distance", distances)
-        self.record(rnd, "global_classes", int(server["present"].sum()))
-        return server
-
-    def client_model(self, cid: int, server: dict, client: dict) -> Params:
-        """The client's own model; pFedPM predicts with its decision head (spec §2.5)."""
-        return client["params"]
-
-    def new_client_refusal(self) -> str:
-        """pFedPM and FedProto: models are private and only class features travel; a newcomer has
-        an untrained body whose features the shared ones do not describe."""
-        return ("models are private and only class features travel; a newcomer's untrained body does not "
-                "produce the feature space those features describe")
-
-    # -- report --------------------------------------------------------------------------------
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        return report_feature_distance(diagnostics, out_dir, "pfedpm_feature_distance", "feature")
-
-
-def report_feature_distance(diagnostics: dict[str, dict[int, Any]], out_dir: Path, stem: str,
-                            what: str) -> list[Path]:
-    """Client x round heatmap and mean/max/min curves of the recorded "local_global_distance"
-    (||local - global `what`||, mean over a client's classes; NaN: the client did not upload)."""
-    from pfedkit.report.plots import heatmap, lines
-
-    per_round = diagnostics.get("local_global_distance", {})
-    if not per_round:
-        return []
-    rounds = sorted(per_round)
-    matrix = np.stack([np.asarray(per_round[r], dtype=float) for r in rounds])  # [T, N]
-    written = [heatmap(matrix.T, Path(out_dir) / f"{stem}_clients.png",
-                       f"||local - global {what}||, mean over a client's classes",
-                       "round index (0 = first round)", "client", colorbar="L2 distance")]
-    with warnings.catch_warnings():  # rounds in which nobody uploaded are all-nan
-        warnings.simplefilter("ignore", category=RuntimeWarning)
-        series = {"mean over participants": np.nanmean(matrix, axis=1),
-                  "max": np.nanmax(matrix, axis=1), "min": np.nanmin(matrix, axis=1)}
-    written.append(lines(rounds, series, Path(out_dir) / f"{stem}.png",
-                         f"distance between local and global {what}s", "round", "L2 distance"))
-    return written
 
 
 @register

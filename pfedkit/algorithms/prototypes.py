@@ -8,8 +8,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from pfedkit.algorithms.base import Forward, cross_entropy
-from pfedkit.algorithms.params import Params
+from pfedkit.core.contract import Forward, cross_entropy
+from pfedkit.core.params import Params
 
 
 # (table [C, d], present [C] bool): one row per class, `present` marks the rows that hold a value.

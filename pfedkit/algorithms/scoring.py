@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pfedkit.algorithms.params import Params
+from pfedkit.core.params import Params
 
 CHUNK = 1000  # samples per forward: bounded memory on large clients
 

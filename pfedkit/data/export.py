@@ -1,6 +1,7 @@
 """`pfedkit data export RUN_DIR_OR_CONFIG --out DIR`: pfedkit's partition of a run as a Hugging
 Face `datasets.DatasetDict` written with `save_to_disk`, so other tools (flwr-datasets, plain
-`datasets`) train on exactly the clients pfedkit made.
+`datasets`) train on exactly the clients pfedkit made. This module writes a dataset and its
+per-client rows; which run or config they come from is `pfedkit.federation.export_partition`.
 
 Layout (docs/data.md): one split per client, `client_0` ... `client_<N-1>`, each with the columns
 - `image`: the stored uint8 pixels as an `Image` feature (lossless PNG; grayscale or RGB), or, for
@@ -29,57 +30,30 @@ from typing import Any
 import numpy as np
 
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import Config, ConfigError, load_config
-from pfedkit.data.datasets import Dataset, load_dataset
-from pfedkit.data.federated import load_partition, split_indices
 from pfedkit.data.hf import require_datasets
+from pfedkit.data.store import Dataset
 
 MANIFEST = "pfedkit_export.json"
 
 
-def resolve_partition(items: list[str]) -> tuple[Config, Dataset, list[np.ndarray], list[np.ndarray]]:
-    """The config, dataset and per-client (train, test) rows of a run directory (its config.yaml
-    and partition.npz, no overrides allowed) or of a config file and/or key=value overrides (the
-    partition is computed as `pfedkit run` would)."""
-    first = Path(items[0]) if items and "=" not in items[0] else None
-    if first is not None and first.is_dir():
-        if len(items) > 1:
-            raise ConfigError(f"data export {first}: a run directory takes no overrides (its config.yaml is used)")
-        if not (first / "config.yaml").is_file() or not (first / "partition.npz").is_file():
-            raise ConfigError(f"data export {first}: not a run directory (expected config.yaml and partition.npz); "
-                              "give a run directory or a config file / key=value overrides")
-        config = load_config(first / "config.yaml")
-        dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
-        with np.load(first / "partition.npz") as saved:
-            train_index, test_index = load_partition(dict(saved))
-        return config, dataset, train_index, test_index
-    config = load_config(str(first) if first is not None else None, items[1:] if first is not None else items)
-    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
-    train_index, test_index = split_indices(config, dataset)
-    return config, dataset, train_index, test_index
-
-
-def export_partition(items: list[str], out: Path) -> Path:
-    """Write the partition `items` name (see `resolve_partition`) to the folder `out`."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out.absolute()}: exists and is not an empty folder; choose a new folder")
-    require_datasets()  # before any work: one line naming the extra to install
-    config, dataset, train_index, test_index = resolve_partition(items)
+def write_export(out: Path, dataset: Dataset, train_index: list[np.ndarray], test_index: list[np.ndarray],
+                 dataset_name: str, config: dict[str, Any]) -> Path:
+    """Write the clients' rows to the folder `out` (absent or empty): under a temporary name,
+    renamed when complete. `dataset_name` and `config` (the run's, as a dict) go to the manifest."""
     dataset_dict = to_dataset_dict(dataset, train_index, test_index)
     staging = out.parent / f".{out.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted export
     with quiet_progress():
         dataset_dict.save_to_disk(str(staging))
     manifest = {
-        "dataset": config.dataset, "num_clients": len(train_index), "splits": list(dataset_dict),
+        "dataset": dataset_name, "num_clients": len(train_index), "splits": list(dataset_dict),
         "columns": list(dataset_dict["client_0"].column_names),
         "train_rows": [int(len(t)) for t in train_index], "test_rows": [int(len(t)) for t in test_index],
-        "class_names": _class_names(dataset), "config": config.to_dict(),
+        "class_names": _class_names(dataset), "config": config,
     }
     atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     if out.exists():
-        out.rmdir()  # empty (checked above)
+        out.rmdir()  # empty (checked by the caller)
     os.replace(staging, out)
     return out
 

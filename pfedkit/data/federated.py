@@ -5,17 +5,20 @@ Which pool is partitioned and where test data come from follows settings.md §1.
 stratified by default); `official_fraction` (DA-PFL) and `official_shots` (FedProto/pFedPM)
 partition the official training split and draw each client's test set from the official test split.
 The index arrays (into the dataset's rows) are what `partition.npz` stores.
+
+The data layer reads no Config: a run's partition settings arrive as a `SplitPlan` of plain
+values, which `pfedkit.federation.split_plan(config)` builds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from pfedkit.algorithms.base import ClientData
-from pfedkit.config import Config
-from pfedkit.data.datasets import Dataset
+from pfedkit.core.contract import ClientData
+from pfedkit.data.store import Dataset
 from pfedkit.data.validation import with_validation
 from pfedkit.data.partition import (class_counts, partition, split_train_test, stratified_subset,
                                     test_from_official)
@@ -48,26 +51,42 @@ class FederatedData:
         return arrays
 
 
-def split_indices(config: Config, dataset: Dataset) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-client (train, test) row indices of `dataset` for the config's partition."""
-    part = config.partition
-    mode = part.resolved_test_split()
-    params = part.scheme_params()
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a run splits a dataset over its clients (the config's `partition` section, num_clients,
+    seed and validation_fraction, as plain values)."""
+    scheme: str                    # a scheme of pfedkit.data.partition.partition
+    scheme_params: dict[str, Any]  # the scheme's own parameters, passed to partition()
+    num_clients: int
+    seed: int
+    test_split: str                # per_client, official_fraction or official_shots (auto resolved)
+    pool_fraction: float
+    train_ratio: float             # per_client: each client's training share ...
+    stratified: bool               # ... drawn per class
+    test_fraction: float           # official_fraction
+    test_shots: int                # official_shots
+    validation_fraction: float     # > 0: evaluate on a validation split carved from training (pfedkit tune)
+
+
+def split_indices(plan: SplitPlan, dataset: Dataset) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-client (train, test) row indices of `dataset` for the plan's partition."""
     y = dataset.y
-    if mode == "per_client":
+    if plan.test_split == "per_client":
         pool = np.arange(len(y))
-        pool = stratified_subset(pool, y[pool], part.pool_fraction, config.seed)
-        shares = partition(y[pool], part.scheme, config.num_clients, config.seed, _writers(dataset, pool), **params)
-        pairs = [split_train_test(pool[s], y, part.train_ratio, config.seed, cid, part.stratified)
+        pool = stratified_subset(pool, y[pool], plan.pool_fraction, plan.seed)
+        shares = partition(y[pool], plan.scheme, plan.num_clients, plan.seed, _writers(dataset, pool),
+                           **plan.scheme_params)
+        pairs = [split_train_test(pool[s], y, plan.train_ratio, plan.seed, cid, plan.stratified)
                  for cid, s in enumerate(shares)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
     train_pool = np.flatnonzero(~dataset.official_test)
-    train_pool = stratified_subset(train_pool, y[train_pool], part.pool_fraction, config.seed)
+    train_pool = stratified_subset(train_pool, y[train_pool], plan.pool_fraction, plan.seed)
     test_pool = np.flatnonzero(dataset.official_test)
-    shares = partition(y[train_pool], part.scheme, config.num_clients, config.seed, _writers(dataset, train_pool),
-                       **params)
-    extra = {"fraction": part.test_fraction} if mode == "official_fraction" else {"shots": part.test_shots}
-    tests = test_from_official(shares, y[train_pool], y[test_pool], config.seed, **extra)
+    shares = partition(y[train_pool], plan.scheme, plan.num_clients, plan.seed, _writers(dataset, train_pool),
+                       **plan.scheme_params)
+    extra = {"fraction": plan.test_fraction} if plan.test_split == "official_fraction" else \
+        {"shots": plan.test_shots}
+    tests = test_from_official(shares, y[train_pool], y[test_pool], plan.seed, **extra)
     return [train_pool[s] for s in shares], [test_pool[t] for t in tests]
 
 
@@ -76,11 +95,11 @@ def _writers(dataset: Dataset, rows: np.ndarray) -> np.ndarray | None:
     return None if dataset.writer is None else dataset.writer[rows]
 
 
-def build_federated(config: Config, dataset: Dataset, channels_last: bool = False) -> FederatedData:
-    train_index, test_index = split_indices(config, dataset)
+def build_federated(plan: SplitPlan, dataset: Dataset, channels_last: bool = False) -> FederatedData:
+    train_index, test_index = split_indices(plan, dataset)
     # validation_fraction > 0 (pfedkit tune): evaluate on a validation split carved from training;
     # the test rows are dropped before any are gathered (pfedkit.data.validation)
-    train_index, test_index = with_validation(config.validation_fraction, config.seed, dataset.y,
+    train_index, test_index = with_validation(plan.validation_fraction, plan.seed, dataset.y,
                                               train_index, test_index)
     return assemble(dataset, train_index, test_index, channels_last)
 

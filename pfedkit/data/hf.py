@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pfedkit.atomic import atomic_write_bytes
-from pfedkit.data.datasets import Dataset, DataError, _cache_root
+from pfedkit.data.store import DataError, Dataset, cache_root
 
 PREFIX = "hf:"
 INSTALL_HINT = "pip install 'pfedkit[hf]'"
@@ -88,7 +88,7 @@ def load_hf_dataset(name: str, options: Any = None, cache_dir: str | None = None
     source = hf_source(name)
     folder = local_folder(source)
     key = _cache_key(source, folder, options)
-    cached = _cache_root(cache_dir).absolute() / "hf" / f"{file_label(name)}-{key[:24]}.npz"
+    cached = cache_root(cache_dir).absolute() / "hf" / f"{file_label(name)}-{key[:24]}.npz"
     if cached in _LOADED:
         return _LOADED[cached]
     arrays = _read_cache(cached)
@@ -159,12 +159,13 @@ def _write_cache(path: Path, arrays: tuple[np.ndarray, np.ndarray, np.ndarray, l
 
 # --- opening and converting --------------------------------------------------------------------
 
-def require_datasets():
-    """The `datasets` module, or a one-line DataError saying how to install it."""
+def require_datasets(needed_by: str = "hf: datasets need") -> Any:
+    """The `datasets` module, or a one-line DataError saying how to install it (`needed_by`: who
+    needs it, the message's subject: `data fetch femnist needs`)."""
     try:
         import datasets
     except ImportError:
-        raise DataError(f"hf: datasets need the Hugging Face datasets library: {INSTALL_HINT}") from None
+        raise DataError(f"{needed_by} the Hugging Face datasets library: {INSTALL_HINT}") from None
     return datasets
 
 

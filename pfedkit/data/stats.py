@@ -1,7 +1,6 @@
-"""Per-client class statistics of a partition: a table and a client x class heatmap."""
+"""Per-client class statistics of a partition, as a table (the numbers only: its heatmap is drawn
+by pfedkit/report/data_plots.py, since data/ sits below report/ and draws nothing)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,8 +17,6 @@ def client_class_table(train_index: list[np.ndarray], test_index: list[np.ndarra
     return table
 
 
-def write_heatmap(table: pd.DataFrame, path: str | Path, title: str) -> Path:
-    from pfedkit.report.plots import heatmap
-
-    counts = table[[c for c in table.columns if c.startswith("c")]].to_numpy()
-    return heatmap(counts, path, title, xlabel="class", ylabel="client", colorbar="training samples")
+def class_counts(table: pd.DataFrame) -> np.ndarray:
+    """[clients, classes] training counts of a `client_class_table` (its c0, c1, ... columns)."""
+    return table[[c for c in table.columns if c.startswith("c")]].to_numpy()

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pfedkit.algorithms.base import message_bytes
-from pfedkit.config import ConfigError
-from pfedkit.engine import transport
+from pfedkit.core.contract import message_bytes
+from pfedkit.core.errors import ConfigError
+from pfedkit.engine.runtimes import transport  # exact tensor pickling, shared with the processes backend
 
 DISK_WINDOW = 128  # clients whose states are in memory together while a round trains them from disk
 AUTO_DISK_FRACTION = 0.5  # auto: disk when the states would take more than this share of available memory

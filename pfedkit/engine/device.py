@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # Backends whose `cuda` means "the GPUs the workers are given" (no index) rather than cuda:0.

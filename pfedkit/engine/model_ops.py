@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pfedkit.algorithms.params import Params, clone, unprefixed
+from pfedkit.core.params import Params, clone, unprefixed
 
 
 class ModelOps:

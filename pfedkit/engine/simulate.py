@@ -1,6 +1,6 @@
 """The round loop, in one place: sample, broadcast, client updates, aggregate, evaluate, checkpoint.
 
-Client updates are generators (see `pfedkit.algorithms.base`); `drive_clients` steps all of a
+Client updates are generators (see `pfedkit.core.contract`); `drive_clients` steps all of a
 round's participants in lock-step and hands every pending `Fit` request of a step to the runtime
 at once, which is what lets a runtime train them in parallel or as one batched computation.
 
@@ -10,26 +10,31 @@ sequential / vectorized). `Simulation.initial_state` and `run_round` run under i
 (`compute_threads`: torch and the BLAS/OpenMP pools), so every algorithm hook (init, reports,
 collect, broadcast, each step of client_update, the aggregation, client_model, adapt, predict)
 computes with the same count as the runtime's Fits, whichever backend runs them. A runtime may
-change the count inside its own calls and restores it before it returns or yields.
+change the count inside its own calls and restores it before it returns or yields. An algorithm
+that declares `small_op_threads` (`pfedkit.core.contract.Algorithm`: CReFF) gets that torch count
+for its own code instead: each step of its client updates and its aggregation (`own_code`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence, Sequence
 
 import numpy as np
 
-from pfedkit.algorithms.base import Algorithm, ClientData, ClientUpdate, Fit, Message, message_bytes
-from pfedkit.config import ConfigError
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message, message_bytes
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.seeds import SERVER, numpy_rng, round_participants
+from pfedkit.core.threads import compute_threads, resolved_threads, thread_count
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
-from pfedkit.engine.runtime import compute_threads, resolved_threads
-from pfedkit.engine.seeds import SERVER, numpy_rng, round_participants
+from pfedkit.engine.protocols import Clients, EvaluatesNewClients, Runtime
+from pfedkit.engine.state import SimState
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
 
@@ -47,24 +52,6 @@ def choose_new_clients(seed: int, num_clients: int, count: int) -> list[int]:
         return []
     chosen = numpy_rng(seed, 0, SERVER, NEW_CLIENT_PURPOSE).choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)
-
-
-@dataclass
-class SimState:
-    """Everything a resumed run needs; checkpointed after rounds."""
-    round: int
-    server: Any
-    clients: list[Any]  # per client: a list, or DiskStates (client_states=disk)
-    buffers: list[Any]  # per-client BatchNorm statistics (None for models without buffers)
-    rows: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-    class_correct: np.ndarray | None = None
-    class_total: np.ndarray | None = None
-    head_row_norms: np.ndarray | None = None  # [N, C] at the last evaluation (nan: no Linear head)
-    diagnostics: dict[str, dict[int, Any]] = field(default_factory=dict)  # what algorithms recorded
-    # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
-    # client-side memory, checkpointed, never sent; a list, or DiskStates like `clients`.
-    optimizer_states: list[dict[str, Any]] = field(default_factory=list)
 
 
 class TrainingDiverged(RuntimeError):
@@ -90,10 +77,16 @@ class RoundReport:
     train_samples: int
 
 
-def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: MutableSequence | dict,
+def own_code(threads: int | None) -> contextlib.AbstractContextManager:
+    """The torch thread count for an algorithm's own code: its `small_op_threads` (a number), or
+    the run's count, left as it is (None)."""
+    return thread_count(threads) if threads else contextlib.nullcontext()
+
+
+def drive_clients(updates: dict[int, ClientUpdate], runtime: Runtime, rnd: int, clients: MutableSequence | dict,
                   buffers: list[Any], optimizer_states: list[dict[str, Any]] | None = None,
-                  receive: Callable[[int, Message], None] | None = None, keep_trained: bool = False
-                  ) -> dict[int, dict]:
+                  receive: Callable[[int, Message], None] | None = None, keep_trained: bool = False,
+                  threads: int | None = None) -> dict[int, dict]:
     """Run every participant's client_update to completion; returns the train stats.
 
     Each step, every pending Fit goes to the runtime at once; results are taken as the runtime
@@ -103,17 +96,21 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime, rnd: int, clients: 
     which nothing here keeps. `buffers[cid]` (BatchNorm statistics) and, when given,
     `optimizer_states[cid]` (kept optimizer state, one entry per `Fit.optimizer` name) are read
     into each job and updated in place. `keep_trained`: keep each client's last trained model in
-    its stats (`eval_point=after_local_training`)."""
+    its stats (`eval_point=after_local_training`). `threads`: the algorithm's `small_op_threads`,
+    for the updates' own steps (not for the runtime's Fits)."""
     stats = {cid: {"loss": 0.0, "steps": 0, "samples": 0} for cid in updates}
     pending, counts = {}, {cid: 0 for cid in updates}
 
     def advance(cid: int, value: Any, first: bool) -> None:
-        try:
-            pending[cid] = next(updates[cid]) if first else updates[cid].send(value)
-        except StopIteration as stop:
-            clients[cid], reply = _check_result(cid, stop.value)
-            if receive is not None:
-                receive(cid, reply)
+        with own_code(threads):  # the algorithm's own code between two Fits
+            try:
+                pending[cid] = next(updates[cid]) if first else updates[cid].send(value)
+                return
+            except StopIteration as stop:
+                result = stop.value
+        clients[cid], reply = _check_result(cid, result)
+        if receive is not None:
+            receive(cid, reply)
 
     for cid in updates:
         advance(cid, None, True)
@@ -165,12 +162,13 @@ class LocalClients:
     """The clients' side of a round, run in this process: their states live in the `SimState`
     (`clients`, `buffers`, `optimizer_states`, indexed by client id: lists here, dicts on a Flower
     node that holds one client) and their Fit requests go to the runtime. The Flower server swaps
-    this for an object with the same three methods that sends messages to nodes instead
+    this for another `Clients` (`pfedkit.engine.protocols`) that sends messages to nodes instead
     (`pfedkit.flower`), and each node runs this class for its own client, so both execute the same
     client math."""
 
-    def __init__(self, algorithm: Algorithm, clients: Mapping[int, ClientData] | Sequence[ClientData], runtime,
-                 num_classes: int, eval_point: str = "after_download", placement: Placement = Placement()) -> None:
+    def __init__(self, algorithm: Algorithm, clients: Mapping[int, ClientData] | Sequence[ClientData],
+                 runtime: Runtime, num_classes: int, eval_point: str = "after_download",
+                 placement: Placement = Placement()) -> None:
         self.algorithm, self.clients, self.runtime = algorithm, clients, runtime
         self.num_classes, self.eval_point, self.placement = num_classes, eval_point, placement
         # The thread count the clients compute with: the runtime's (see the module docstring).
@@ -212,7 +210,8 @@ class LocalClients:
                                                self.client_view(cid, state)) for cid in cids[start:start + window]}
             stats.update(drive_clients(updates, self.runtime, rnd, state.clients, state.buffers,
                                        state.optimizer_states or None, receive,
-                                       keep_trained=self.eval_point == "after_local_training"))
+                                       keep_trained=self.eval_point == "after_local_training",
+                                       threads=algo.small_op_threads))
         return stats
 
     def evaluated_model(self, cid: int, client: Any, server: Any, stats: dict[int, dict]):
@@ -298,11 +297,11 @@ class LocalClients:
 
 class Simulation:
     """The round loop over an algorithm; `clients` is the clients' side (default: `LocalClients`
-    over `data` and `runtime`; the Flower server passes one that talks to nodes)."""
+    over `data` and `runtime`; the Flower server passes one that talks to nodes, and no runtime)."""
 
-    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime, *, rounds: int, seed: int,
-                 join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
-                 eval_point: str = "after_download", participants: str = "round", clients=None,
+    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime: Runtime | None, *, rounds: int,
+                 seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+                 eval_point: str = "after_download", participants: str = "round", clients: Clients | None = None,
                  placement: Placement = Placement(), new_clients: int = 0, new_client_finetune: int = 0) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
@@ -331,7 +330,7 @@ class Simulation:
         if reason:
             raise ConfigError(f"new_clients: algorithm {self.algorithm.name} cannot evaluate clients that never "
                               f"trained ({reason}); use new_clients=0")
-        if not hasattr(self.clients, "evaluate_new"):
+        if not isinstance(self.clients, EvaluatesNewClients):
             raise ConfigError(f"new_clients: not available with {type(self.clients).__name__} (clients on other "
                               "machines); use new_clients=0 or pfedkit run")
         return choose_new_clients(self.seed, self.data.num_clients, count)
@@ -384,10 +383,12 @@ class Simulation:
 
         def receive(cid: int, reply: Message) -> None:
             reply_bytes[cid] = message_bytes(reply)  # counted here, then held by nobody but the aggregation
-            aggregation.add(cid, reply)
+            with own_code(algo.small_op_threads):
+                aggregation.add(cid, reply)
 
         stats = self.clients.train(rnd, messages, cids, state, receive)
-        state.server = aggregation.finish()
+        with own_code(algo.small_op_threads):
+            state.server = aggregation.finish()
         trained = time.perf_counter()
         evals = self._evaluate(rnd, state, stats) if rnd % self.eval_every == 0 or rnd == self.rounds else {}
         evaluated = time.perf_counter()

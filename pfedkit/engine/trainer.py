@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pfedkit.algorithms.base import Batch, Fit, Forward
-from pfedkit.algorithms.params import Params, unprefixed
-from pfedkit.config import ConfigError
+from pfedkit.core.batches import batch_order
+from pfedkit.core.contract import Batch, Fit, Forward
+from pfedkit.core.errors import ConfigError
+from pfedkit.core.params import Params, unprefixed
+from pfedkit.core.seeds import derive_seed, torch_generator
 from pfedkit.engine.device import seed_device_generator, to_device
-from pfedkit.engine.seeds import derive_seed, torch_generator
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,6 @@ class FitOutcome:
 def request_lr(request: Fit, settings: TrainSettings) -> float:
     """The request's learning rate; None means the config's (0 is a real value: no update)."""
     return settings.lr if request.lr is None else request.lr
-
-
-def batch_order(n: int, batch_size: int, drop_last: bool, generator: torch.Generator) -> list[torch.Tensor]:
-    """One epoch's mini-batch index tensors, from a seeded permutation."""
-    order = torch.randperm(n, generator=generator)
-    stop = n - n % batch_size if drop_last else n
-    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
 
 
 def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from pfedkit.atomic import atomic_write_json, atomic_write_text
-from pfedkit.config import Config, ConfigError, load_config
+from pfedkit.config import Config, load_config
+from pfedkit.core.errors import ConfigError
 # EXECUTION_KEYS (where or how fast a run executes, not what it computes: a resumed comparison may
 # change them) now lives in run_identity, with `identity`; still importable from here.
 from pfedkit.run_identity import EXECUTION_KEYS  # noqa: F401
@@ -315,7 +316,7 @@ def compare_entries(source, overrides: list[str], names: list[str], tuned_dir: s
     import warnings
 
     from pfedkit.algorithms import algorithm_names
-    from pfedkit.config import ConfigWarning
+    from pfedkit.core.errors import ConfigWarning
     from pfedkit.experiments.tuning import read_tuned, tuned_config, tuned_setting_changes
 
     entries, record = [], {}

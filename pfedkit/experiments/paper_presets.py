@@ -16,7 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pfedkit.config import ConfigError, deep_merge, did_you_mean
+from pfedkit.config import deep_merge
+from pfedkit.core.errors import ConfigError, did_you_mean
 
 # regime: the paper's per-round regime for every client (its local epochs, batch size, lr and samples
 # per client), with fewer clients and/or rounds and, optionally, only the rows carrying the claim

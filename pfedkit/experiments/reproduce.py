@@ -19,7 +19,8 @@ from scipy.stats import kendalltau, rankdata
 
 from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import ConfigError, ConfigWarning, deep_merge, parse_overrides
+from pfedkit.config import deep_merge, parse_overrides
+from pfedkit.core.errors import ConfigError, ConfigWarning
 from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
                                             write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper

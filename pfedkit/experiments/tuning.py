@@ -43,7 +43,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pfedkit.atomic import atomic_write_json, atomic_write_text
-from pfedkit.config import Config, ConfigError, ConfigWarning, deep_merge, load_config, yaml_problem
+from pfedkit.config import Config, deep_merge, load_config, yaml_problem
+from pfedkit.core.errors import ConfigError, ConfigWarning
 from pfedkit.run_identity import changed_keys, describe_changes, flatten, identity
 
 SPACES_FILE = "tuning_spaces.yaml"
@@ -124,7 +125,7 @@ def read_spaces(path: str | Path | None = None) -> dict[str, Space]:
     spaces: dict[str, Space] = {}
     for section, params in data.items():
         if section != COMMON and section not in names:
-            from pfedkit.config import did_you_mean
+            from pfedkit.core.errors import did_you_mean
             raise ConfigError(f"{where}: unknown section {section!r}{did_you_mean(section, names)}; "
                               f"allowed: {COMMON} or an algorithm name (pfedkit list)")
         if not isinstance(params, dict):
@@ -289,19 +290,10 @@ def tune(config: Config, trials: int, out_dir: str | Path, space_file: str | Pat
          log: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> TuneResult:
     """Run (or resume) the study of `config.algorithm` until `trials` trials have finished."""
     import optuna
-    from optuna.trial import TrialState
-
-    from pfedkit.engine.simulate import TrainingDiverged
 
     if trials < 1:
         raise ConfigError(f"--trials {trials}: expected a number of trials >= 1")
-    where = f"--space {space_file}" if space_file is not None else SPACES_FILE
-    space, note = space_for(read_spaces(space_file), config.algorithm)
-    fraction = config.validation_fraction or DEFAULT_VALIDATION_FRACTION
-    base = trial_config(config, {}, validation_fraction=fraction)
-    check_space(base, space, where)
-    if note:
-        log(f"note: {note}")
+    base, space = tuning_base(config, space_file, log)
     directory = Path(out_dir) / base.algorithm
     directory.mkdir(parents=True, exist_ok=True)
     record = tuning_record(base, space)
@@ -309,46 +301,13 @@ def tune(config: Config, trials: int, out_dir: str | Path, space_file: str | Pat
     with exclusive(directory):
         check_same_study(directory, record)
         atomic_write_json(directory / STATE, {**_stored_state(directory), **record})
-        storage = optuna.storages.RDBStorage(f"sqlite:///{(directory / STUDY_DB).resolve()}")
-        pruner = optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP_TRIALS,
-                                             n_warmup_steps=base.rounds // 4)
-        study = optuna.create_study(storage=storage, study_name=base.algorithm, direction="maximize",
-                                    pruner=pruner, load_if_exists=True)
-        for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            study.tell(stale.number, state=TrialState.FAIL)  # its process was killed (we hold the lock)
-            log(f"trial {stale.number}: left unfinished by a stopped run; marked failed, not counted")
-        finished_states = (TrialState.COMPLETE, TrialState.PRUNED)
-        finished = len(study.get_trials(deepcopy=False, states=finished_states))
+        study = open_study(directory, base, log)
+        finished, new_trials = finished_trials(study), 0
         if finished:
             log(f"resuming {directory}: {finished} finished trial(s)")
-        new_trials = 0
         while finished < trials:
-            study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(base.seed, finished))
-            trial = study.ask()
-            params = {key: spec.suggest(trial, key) for key, spec in space.items()}
-            started, reported = time.perf_counter(), []
-
-            def report(rnd: int, accuracy: float) -> None:
-                trial.report(accuracy, rnd)
-                reported.append(rnd)
-                if trial.should_prune():
-                    raise optuna.TrialPruned()
-
-            try:
-                value, _ = run_trial(trial_config(base, params), report)
-            except optuna.TrialPruned:
-                study.tell(trial, state=TrialState.PRUNED)
-                outcome = f"pruned at round {reported[-1]}"
-            except TrainingDiverged as err:
-                trial.set_user_attr("diverged", str(err))
-                study.tell(trial, state=TrialState.PRUNED)
-                outcome = f"diverged in round {err.round} (recorded as pruned)"
-            except BaseException:
-                study.tell(trial, state=TrialState.FAIL)
-                raise
-            else:
-                study.tell(trial, value)
-                outcome = f"validation {100 * value:.2f}%"
+            started = time.perf_counter()
+            trial, params, outcome = run_next_trial(study, base, space, finished)
             finished += 1
             new_trials += 1
             best = _best(study)
@@ -362,6 +321,80 @@ def tune(config: Config, trials: int, out_dir: str | Path, space_file: str | Pat
                               "narrow the search space (e.g. a lower lr range) or add trials")
         write_best(directory, config, base, best, finished)
     return TuneResult(directory, dict(best.params), float(best.value), best.number, finished, new_trials)
+
+
+def tuning_base(config: Config, space_file: str | Path | None, log: Callable[[str], None]) -> tuple[Config, Space]:
+    """(the trials' base config: `config` on a validation split, the algorithm's search space),
+    the space checked against the base config; a note on the space (e.g. only the common part
+    applies) goes to `log`."""
+    where = f"--space {space_file}" if space_file is not None else SPACES_FILE
+    space, note = space_for(read_spaces(space_file), config.algorithm)
+    fraction = config.validation_fraction or DEFAULT_VALIDATION_FRACTION
+    base = trial_config(config, {}, validation_fraction=fraction)
+    check_space(base, space, where)
+    if note:
+        log(f"note: {note}")
+    return base, space
+
+
+def open_study(directory: Path, base: Config, log: Callable[[str], None]):
+    """The study in DIR/study.db (created or loaded: TPE, maximise, median pruner); trials a killed
+    run left RUNNING are marked failed (the caller holds the study's lock, so none is running)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{(directory / STUDY_DB).resolve()}")
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=base.rounds // 4)
+    study = optuna.create_study(storage=storage, study_name=base.algorithm, direction="maximize",
+                                pruner=pruner, load_if_exists=True)
+    for stale in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(stale.number, state=TrialState.FAIL)  # its process was killed (we hold the lock)
+        log(f"trial {stale.number}: left unfinished by a stopped run; marked failed, not counted")
+    return study
+
+
+def finished_trials(study) -> int:
+    """Trials that count towards --trials: complete or pruned (diverged ones are recorded as pruned)."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+
+
+def run_next_trial(study, base: Config, space: Space, finished: int) -> tuple[Any, dict[str, Any], str]:
+    """Ask the study for the trial that follows `finished` finished trials (TPE seeded by
+    `sampler_seed`, so it depends only on the seed and those trials), run it, and tell the study
+    how it ended: complete, pruned by the median pruner, or diverged (recorded as pruned); any other
+    error marks it failed and is raised. -> (trial, its parameters, the outcome in words)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from pfedkit.engine.simulate import TrainingDiverged
+
+    study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(base.seed, finished))
+    trial = study.ask()
+    params = {key: spec.suggest(trial, key) for key, spec in space.items()}
+    reported = []
+
+    def report(rnd: int, accuracy: float) -> None:
+        trial.report(accuracy, rnd)
+        reported.append(rnd)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+
+    try:
+        value, _ = run_trial(trial_config(base, params), report)
+    except optuna.TrialPruned:
+        study.tell(trial, state=TrialState.PRUNED)
+        return trial, params, f"pruned at round {reported[-1]}"
+    except TrainingDiverged as err:
+        trial.set_user_attr("diverged", str(err))
+        study.tell(trial, state=TrialState.PRUNED)
+        return trial, params, f"diverged in round {err.round} (recorded as pruned)"
+    except BaseException:
+        study.tell(trial, state=TrialState.FAIL)
+        raise
+    study.tell(trial, value)
+    return trial, params, f"validation {100 * value:.2f}%"
 
 
 def _stored_state(directory: Path) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from pfedkit.config import Config, ConfigError
+from pfedkit.config import Config
+from pfedkit.core.errors import ConfigError
 from pfedkit.engine.device import resolve_device
 from pfedkit.flower import node
 from pfedkit.flower.server import serve
@@ -59,7 +60,7 @@ def simulate(config: Config, quiet: bool = True):
     """Run `config` in Flower's simulation engine; returns the run's `pfedkit.runs.Result`."""
     from flwr.simulation import run_simulation
 
-    from pfedkit.engine.ray_runtime import import_ray
+    from pfedkit.engine.runtimes.ray import import_ray
 
     import_ray()
     resolve_device(config.device, "sequential")  # the virtual nodes train on this machine: refuse here, once

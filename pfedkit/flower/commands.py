@@ -9,25 +9,16 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from pfedkit.config import ConfigError, load_config
+from pfedkit.config import load_config, split_config_and_overrides
+from pfedkit.core.errors import ConfigError
 from pfedkit.data.hf import file_label
+from pfedkit.flower.checks import check_flower_config
+from pfedkit.report.summary_table import results_table
 
 
 def _config(items: list[str]):
-    from pfedkit.cli import split_config_and_overrides
-
     source, overrides = split_config_and_overrides(items)
     return check_flower_config(load_config(source, overrides))
-
-
-def check_flower_config(config):
-    """Refuse what Flower nodes cannot honour (one line). Nodes build their own partitions
-    (`pfedkit.flower.node`) without carving a validation split, so with validation_fraction > 0
-    the server would count and evaluate other samples than the nodes train on."""
-    if config.validation_fraction > 0:
-        raise ConfigError(f"validation_fraction={config.validation_fraction:g}: Flower nodes do not carve "
-                          "validation splits; allowed with pfedkit flower: 0 (tune with pfedkit tune / pfedkit run)")
-    return config
 
 
 def _require_flower() -> None:
@@ -38,8 +29,6 @@ def _require_flower() -> None:
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    from pfedkit.cli import results_table
-
     _require_flower()
     from pfedkit.flower.app import simulate
 
@@ -66,8 +55,6 @@ def cmd_app(ns: argparse.Namespace) -> int:
 
 
 def cmd_local(ns: argparse.Namespace) -> int:
-    from pfedkit.cli import results_table
-
     _require_flower()
     from pfedkit.flower.certificates import make_certificates
     from pfedkit.flower.deploy import LocalDeployment

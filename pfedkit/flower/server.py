@@ -30,9 +30,9 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from pfedkit.algorithms.base import Message as AlgoMessage
 from pfedkit.config import Config
-from pfedkit.engine.simulate import SimState
+from pfedkit.core.contract import Message as AlgoMessage
+from pfedkit.engine.state import SimState
 from pfedkit.evaluation import ClientEval
 from pfedkit.flower.node import HEADER, PAYLOAD
 from pfedkit.flower.records import pack, put_packed, take
@@ -141,17 +141,18 @@ class FlowerClients:
 def serve(grid: Grid, config: Config, quiet: bool = True):
     """Run `config` with the clients on Flower nodes; writes a run directory as `pfedkit run` does
     (config.yaml, partition.npz, metrics.csv, summary.json, clients.npz; no checkpoint)."""
-    from pfedkit import runs
+    from pfedkit import build, runs
     from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import build_federated
-    from pfedkit.flower.commands import check_flower_config
+    from pfedkit.federation import split_plan
+    from pfedkit.flower.checks import check_flower_config
 
     check_flower_config(config)  # also for an app started by hand (flwr run)
     dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
-    data = build_federated(config, dataset, runs.uses_channels_last(config, dataset.input_shape))
-    algorithm, _ = runs.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
+    data = build_federated(split_plan(config), dataset, build.uses_channels_last(config, dataset.input_shape))
+    algorithm, _ = build.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     clients = FlowerClients(grid, config, asks_reports=algorithm.has_client_report())
-    simulation = runs.simulation_for(config, algorithm, data, None, clients)
+    simulation = build.simulation_for(config, algorithm, data, None, clients)
     ops = algorithm.setup.ops
     state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
     context = runs.Prepared(data, simulation, state, clients, resumable=False, backend="flower")

@@ -28,7 +28,7 @@ from pfedkit.models.mlp import MLP
 from pfedkit.models.resnet import ResNet18
 
 __all__ = [
-    "MODELS", "ModelInfo", "build_model", "default_model", "model_names", "HEAD_CHOICES",
+    "MODELS", "ModelInfo", "build_model", "model_names", "HEAD_CHOICES",
     "BodyHeadModel", "last_linear", "layer_state_dict", "load_layer_state_dict",
 ]
 
@@ -73,20 +73,6 @@ MODELS: dict[str, ModelInfo] = {
     ]
 }
 
-DEFAULT_MODELS = {
-    "digits": "mlp",
-    "mnist": "cnn",
-    "fashion_mnist": "cnn",
-    "cifar10": "cnn",
-    "cifar100": "cnn",
-    "cifar100_first20": "cnn_cifar100",  # DA-PFL's (FedRep's CNNCifar100)
-    "femnist": "cnn",
-    "femnist_lower10": "mlp",            # DA-PFL's MLP with two hidden layers
-    "tiny_imagenet": "resnet18",         # cwFedAvg's Tiny ImageNet* and PFedCS use ResNet-18
-    "ag_news": "fasttext",               # cwFedAvg's Table 6 (token ids: pfedkit/data/text.py)
-}
-
-
 def model_names() -> list[str]:
     return list(MODELS)
 
@@ -112,14 +98,3 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, head:
         raise ValueError(f"model {name!r} has no option(s) {unknown}; its options are: {allowed}")
     return info.builder(tuple(input_shape), num_classes, head=head, **options)
 
-
-def default_model(dataset: str) -> str:
-    """The model a dataset uses unless the config names one."""
-    if dataset.startswith("hf:"):  # images of any size: the CNN (tiny images need model=mlp)
-        return "cnn"
-    if dataset not in DEFAULT_MODELS:
-        raise ValueError(
-            f"no default model for dataset {dataset!r}; known datasets: "
-            f"{', '.join(DEFAULT_MODELS)} (or name a model explicitly: {', '.join(model_names())})"
-        )
-    return DEFAULT_MODELS[dataset]

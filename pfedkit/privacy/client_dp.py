@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-from pfedkit.algorithms.params import Params
-from pfedkit.engine.seeds import SERVER, torch_generator
+from pfedkit.core.aggregation import SampleWeightedMean
+from pfedkit.core.params import Params
+from pfedkit.core.seeds import SERVER, torch_generator
 
 NOISE_PURPOSE = "dp-client-noise"  # the generator tag: (seed, round, SERVER, this)
 
@@ -55,6 +56,12 @@ class ClientDP:
     seed: int
     # participants=poisson: q N, the fixed denominator; None: the round's m (fixed-size sampling)
     expected_participants: float | None = None
+
+    def mean_aggregation(self, key: str, cids: list[int], reference: Params | None, result: Callable[[Params], Any],
+                         empty: Any, rnd: int, record: Callable[[int, str, Any], None]) -> "ClientDPMean":
+        """The round's clipped, noised mean (what `core.aggregation.params_mean_aggregation` asks of
+        the settings it finds on the algorithm: the ground floor never imports this package)."""
+        return ClientDPMean(key, cids, reference, result, empty, self, rnd, record)
 
 
 def update_norm(params: Params, reference: Params) -> float:
@@ -97,8 +104,6 @@ class ClientDPMean:
 
     def __init__(self, key: str, cids: list[int], reference: Params | None, result: Callable[[Params], Any],
                  empty: Any, settings: ClientDP, rnd: int, record: Callable[[int, str, Any], None]) -> None:
-        from pfedkit.algorithms.aggregation import SampleWeightedMean  # the uniform running sum
-
         self.key, self.cids, self.reference, self.result, self.empty = key, list(cids), reference, result, empty
         self.settings, self.rnd, self.record = settings, rnd, record
         self.uniform = SampleWeightedMean(key, {cid: 1.0 for cid in self.cids}, lambda mean: mean, None)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from pfedkit.algorithms.params import Params
+from pfedkit.core.params import Params
 
 
 def per_sample_norms(grads: Params) -> torch.Tensor:

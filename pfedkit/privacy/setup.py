@@ -4,57 +4,29 @@ Refusals are one-line ConfigErrors naming the key, the reason and what is allowe
 """
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from pfedkit.config import Config, ConfigError
+from pfedkit.config import Config
+from pfedkit.core.aggregation import averages_uploads
+from pfedkit.core.errors import ConfigError
 from pfedkit.privacy.accounting import INSTALL_HINT, PrivacyBudget
 from pfedkit.privacy.client_dp import ClientDP
 from pfedkit.privacy.dp_sgd import batchnorm_layers
 
 
 def aggregates_by_mean(algorithm) -> bool:
-    """Whether the server's aggregate is the weighted mean of the clients' uploads built by
-    `params_mean_aggregation` (FedAvg, FedProx, FedPer/LG-FedAvg/FedRep, FedBABU, FedRoD...): asks
-    the algorithm for a round's aggregation over no participants (nothing is trained or kept) and
-    looks at what it built, so a subclass that aggregates differently answers False."""
-    from pfedkit.algorithms.aggregation import SampleWeightedMean
-
-    try:
-        probe = algorithm.start_aggregation(0, None, [])
-    except Exception:  # noqa: BLE001 - an aggregation that needs a real server state is not the mean
-        return False
-    return isinstance(probe, SampleWeightedMean)
+    """Whether the server's aggregate is the weighted mean of the clients' uploads declared by
+    `core.aggregation.MeanOfUploads` (FedAvg, FedProx, FedPer/LG-FedAvg/FedRep, FedBABU, FedRoD...),
+    both entry points as the mixin defines them, so a subclass that aggregates differently answers
+    False. `algorithm`: an instance or a class."""
+    return averages_uploads(algorithm if isinstance(algorithm, type) else type(algorithm))
 
 
 def mean_algorithms() -> list[str]:
     """The registered algorithms client-level DP applies to (for the refusal's `allowed` list)."""
     from pfedkit.algorithms import algorithm_names, get_algorithm
 
-    names = []
-    for name in algorithm_names():
-        cls = get_algorithm(name)
-        if cls.start_aggregation is not _base_start_aggregation() and _defines_mean(cls):
-            names.append(name)
-    return names
-
-
-def _base_start_aggregation():
-    from pfedkit.algorithms.base import Algorithm
-    return Algorithm.start_aggregation
-
-
-def _defines_mean(cls) -> bool:
-    """`aggregates_by_mean` for a class, without building it (a bare instance: the probe reads only
-    `setup.train_counts` for no participants)."""
-    instance = cls.__new__(cls)
-    instance.setup = _NoClients()
-    return aggregates_by_mean(instance)
-
-
-class _NoClients:
-    train_counts: Any = ()
+    return [name for name in algorithm_names() if aggregates_by_mean(get_algorithm(name))]
 
 
 def client_sampling(config: Config) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,9 +89,3 @@ def drop_empty_columns(table: pd.DataFrame) -> pd.DataFrame:
 
 def relative(target: Path, folder: Path) -> str:
     return Path(os.path.relpath(Path(target).resolve(), folder.resolve())).as_posix()
-
-
-def referenced_files(page: Path) -> list[Path]:
-    """Every file an HTML page refers to by src= or href= (for checks that a page is complete)."""
-    text = page.read_text()
-    return [(page.parent / target).resolve() for target in re.findall(r"(?:src|href)='([^']+)'", text)]

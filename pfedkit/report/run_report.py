@@ -18,6 +18,7 @@ import yaml
 
 from pfedkit.evaluation import round_table
 from pfedkit.report.html import Section, render
+from pfedkit.report.methods import draw_diagnostics
 from pfedkit.report.plots import bands, heatmaps_side_by_side, lines
 
 CLIENT_BAND = (10, 90)  # percentiles of the clients' accuracies drawn as the band
@@ -65,8 +66,8 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
     written += client_heatmaps(run_dir, out_dir, title)
     diagnostics_file = run_dir / "diagnostics.pt"
     if diagnostics_file.is_file():
-        written += get_algorithm(config["algorithm"]).report(torch.load(diagnostics_file, weights_only=False),
-                                                             out_dir)
+        written += draw_diagnostics(get_algorithm(config["algorithm"]),
+                                    torch.load(diagnostics_file, weights_only=False), out_dir)
     return written
 
 

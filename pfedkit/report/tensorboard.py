@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.evaluation import round_table
 
 

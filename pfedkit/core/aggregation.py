@@ -11,14 +11,19 @@ model, not one per participant (1,000 FedAvg clients: 2.3 MB instead of 2.3 GB).
   (`Setup.train_counts`); replies are folded in increasing client id, the order of the batch
   `weighted_mean`, holding only those that arrive before their turn. The result is the batch
   result bit for bit.
+- `MeanOfUploads`: the Algorithm mixin of FedAvg and every method whose server keeps one part of
+  the model as that mean (FedPer's shared part, FedBABU's body, FedRoD's body + generic head). The
+  method names the server key (`averaged`); the mixin gives both of the contract's entry points,
+  `aggregate` (batch) and `start_aggregation` (streamed, or client-level DP's noised mean), so the
+  mean is declared once.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from pfedkit.algorithms.params import Params, WeightedSum, mean_shares
+from pfedkit.core.params import Params, WeightedSum, mean_shares, weighted_mean
 
 Message = dict[str, Any]
 
@@ -92,23 +97,55 @@ class SampleWeightedMean:
         self.folded.append(cid)
 
 
-def params_mean_aggregation(algorithm, defining: type, rnd: int, server: Any, cids: list[int], server_key: str):
-    """The streamed form of `{server_key: fedavg_aggregate(replies)} if replies else server` (the
-    n_i-weighted mean of the replies' "params"), for an algorithm whose `aggregate` is that and is
-    defined by `defining`; a subclass that aggregates otherwise gets the batch default. With
-    client-level DP on (`algorithm.client_dp`), the clipped, uniform, noised mean instead
-    (`pfedkit.privacy.client_dp.ClientDPMean`)."""
-    if type(algorithm).aggregate is not defining.aggregate:
+def fedavg_aggregate(replies: dict[int, Message], key: str = "params") -> Params:
+    """w = sum_i n_i w_i / sum_i n_i over the replies (each carries `key` and `weight` = n_i), in
+    increasing client id (the order `SampleWeightedMean` folds in)."""
+    ordered = sorted(replies)
+    return weighted_mean([replies[c][key] for c in ordered], [replies[c]["weight"] for c in ordered])
+
+
+class MeanOfUploads:
+    """Mixin (before `Algorithm` in the bases) for a server whose state is {averaged: the n_i-weighted
+    mean of the participants' uploaded "params"}, each reply carrying "params" and "weight" = n_i.
+
+    A method states only WHICH server key holds the mean (`averaged`); it must not override
+    `aggregate` or `start_aggregation` to keep the mean. A subclass that overrides `aggregate`
+    aggregates otherwise: `start_aggregation` then collects the replies for it (batch), and
+    client-level DP is refused for it (`pfedkit.privacy.setup`)."""
+    averaged: ClassVar[str] = "params"
+
+    def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
+        """The batch form: the mean of the replies; no replies keep the server state."""
+        return {self.averaged: fedavg_aggregate(replies)} if replies else server
+
+    def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
+        """The streamed form of `aggregate` (a running sum, bit for bit the batch result)."""
+        return params_mean_aggregation(self, rnd, server, cids)
+
+
+def averages_uploads(cls: type) -> bool:
+    """Whether `cls` aggregates by `MeanOfUploads`'s mean, both entry points as declared there."""
+    return (issubclass(cls, MeanOfUploads) and cls.aggregate is MeanOfUploads.aggregate
+            and cls.start_aggregation is MeanOfUploads.start_aggregation)
+
+
+def params_mean_aggregation(algorithm: MeanOfUploads, rnd: int, server: Any, cids: list[int]) -> Aggregation:
+    """The streamed form of `MeanOfUploads.aggregate` (the n_i-weighted mean of the replies'
+    "params" into `server[algorithm.averaged]`); a subclass that aggregates otherwise gets the batch
+    default. With client-level DP on (`algorithm.client_dp`), the clipped, uniform, noised mean
+    instead (`pfedkit.privacy.client_dp.ClientDPMean`, through the settings' `mean_aggregation`)."""
+    server_key = algorithm.averaged
+    if type(algorithm).aggregate is not MeanOfUploads.aggregate:
         if getattr(algorithm, "client_dp", None) is not None:  # `privacy.setup` refuses this at start
             raise RuntimeError(f"client-level DP: {algorithm.name} does not aggregate by the mean of updates")
         return CollectReplies(partial(algorithm.aggregate, rnd, server))
     if getattr(algorithm, "client_dp", None) is not None:
         # Client-level DP (docs/privacy.md): the ONE place where updates are clipped and noised;
         # every algorithm aggregating through here gets it. The reference is the broadcast model.
-        from pfedkit.privacy.client_dp import ClientDPMean
-
-        return ClientDPMean("params", cids, server[server_key] if server is not None else None, lambda mean: {server_key: mean},
-                            server, algorithm.client_dp, rnd, algorithm.record)
+        # `client_dp` is `pfedkit.privacy.client_dp.ClientDP`, attached by `privacy.setup`.
+        reference = server[server_key] if server is not None else None
+        return algorithm.client_dp.mean_aggregation("params", cids, reference, lambda mean: {server_key: mean},
+                                                    server, rnd, algorithm.record)
     counts = algorithm.setup.train_counts  # n_i: the participants' training-set sizes
     return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},
                               lambda mean: {server_key: mean}, server)

@@ -106,7 +106,3 @@ def squared_distance_f64(a: Params, b: Params) -> float:
 def flatten(params: Params) -> torch.Tensor:
     """One 1-D vector of all entries, in the dictionary's order."""
     return torch.cat([value.reshape(-1) for value in params.values()])
-
-
-def num_parameters(params: Params) -> int:
-    return sum(value.numel() for value in params.values())

@@ -9,10 +9,10 @@ workers pull the next job (`dispatch_order`: largest client first for a few jobs
 for many). Every job carries its own seeds, so results are identical to the sequential backend
 run with the same thread count, whatever the number of workers.
 
-Jobs and results travel through `pfedkit.engine.transport` (`Channels`): the tensors that several
-jobs carry (the broadcast model) are written once per wave into a shared arena mapped by every
-worker, a job's own tensors go through an inbox slot ring and results through an outbox ring;
-only references go through the pool's pipes. Results stream back as they are done (`fit_stream`).
+Jobs and results travel through `transport` (`Channels`): the tensors that several jobs carry
+(the broadcast model) are written once per wave into a shared arena mapped by every worker, a
+job's own tensors go through an inbox slot ring and results through an outbox ring; only
+references go through the pool's pipes. Results stream back as they are done (`fit_stream`).
 
 On a GPU (`device` cuda) the workers are *spawned* (`start_method`): a process forked after CUDA
 was used in its parent cannot use CUDA, and a test of forked GPU workers hung on an H100. A
@@ -36,13 +36,16 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pfedkit.algorithms.base import message_bytes
+from pfedkit.core.contract import message_bytes
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine import transport
 from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.device import make_deterministic, worker_devices
-from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, SequentialRuntime,
-                                    dispatch_order, handed_out, split_custom_predict, thread_count)
+from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes import transport
+from pfedkit.engine.runtimes.sequential import SequentialRuntime
+from pfedkit.engine.runtimes.workers import (ByArchitecture, ClientWorker, ModelEvaluator, dispatch_order, handed_out,
+                                             split_custom_predict)
+from pfedkit.core.threads import thread_count
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
 
@@ -52,7 +55,7 @@ _WORKER: dict[str, object] = {}
 
 
 class Channels:
-    """The shared buffers between a runtime and its workers (see `pfedkit.engine.transport`):
+    """The shared buffers between a runtime and its workers (see `pfedkit.engine.runtimes.transport`):
     the wave arena, an inbox ring for each job's own tensors, an outbox ring for results."""
 
     def __init__(self, model_bytes: int, workers: int) -> None:

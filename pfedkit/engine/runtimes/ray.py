@@ -27,11 +27,12 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pfedkit.config import ConfigError
+from pfedkit.core.errors import ConfigError
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.processes import DeviceWorker, default_workers
-from pfedkit.engine.runtime import (ByArchitecture, ClientWorker, EvalItem, ModelEvaluator, dispatch_order, handed_out,
-                                    split_custom_predict)
+from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes.processes import DeviceWorker, default_workers
+from pfedkit.engine.runtimes.workers import (ByArchitecture, ClientWorker, ModelEvaluator, dispatch_order, handed_out,
+                                             split_custom_predict)
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings
 from pfedkit.evaluation import ClientEval
 

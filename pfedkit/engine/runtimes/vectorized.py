@@ -51,12 +51,14 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pfedkit.algorithms.base import Forward
-from pfedkit.algorithms.params import unprefixed
+from pfedkit.core.contract import Forward
+from pfedkit.core.params import unprefixed
+from pfedkit.core.seeds import torch_generator
+from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
-from pfedkit.engine.runtime import EvalItem, SequentialRuntime, thread_count
-from pfedkit.engine.seeds import torch_generator
+from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings, batch_schedule, request_lr
 from pfedkit.evaluation import ClientEval
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
@@ -35,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from pfedkit.algorithms.aggregation import Aggregation, CollectReplies
-from pfedkit.algorithms.params import Params
+from pfedkit.core.aggregation import Aggregation, CollectReplies
+from pfedkit.core.params import Params
 
 Message = dict[str, Any]
 
@@ -223,6 +222,14 @@ class Algorithm:
     # True when clients may use different architectures (config `client_model_options`): the
     # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
     supports_heterogeneous_models: ClassVar[bool] = False
+    # torch threads for this algorithm's OWN code in a round: each step of `client_update` (the
+    # code between its Fits) and the aggregation (`start_aggregation`'s `add` and `finish`, hence
+    # `aggregate`). For code made of thousands of tiny ops, which one thread runs fastest (CReFF's
+    # gradient draws, feature matching and classifier re-training: several threads cost ~50x per op
+    # in spin-up on a busy machine). The engine applies it around those calls only (the runtime's
+    # Fits and evaluations keep the run's count); a fixed count, so the numbers do not depend on
+    # the backend either. None (the default): the run's count (`threads`).
+    small_op_threads: ClassVar[int | None] = None
     # Client-level DP settings (`pfedkit.privacy.client_dp.ClientDP`), set on the instance by
     # `pfedkit.privacy.setup.attach_client_dp` for algorithms that aggregate through
     # `params_mean_aggregation`; None: no DP.
@@ -237,7 +244,8 @@ class Algorithm:
         """Keep what the algorithm decided this round (a matrix, a selection...) for reports.
 
         Stored in the run directory's diagnostics.pt as {key: {round: value}} and checkpointed,
-        so a resumed run keeps them. Use numpy arrays or plain Python values.
+        so a resumed run keeps them. Use numpy arrays or plain Python values. Algorithms only
+        record; `pfedkit report` draws them (pfedkit/report/methods/<algorithm module>.py).
         """
         self.diagnostics.setdefault(key, {})[rnd] = value
 
@@ -270,11 +278,6 @@ class Algorithm:
 
     def has_adaptation(self) -> bool:
         return type(self).adapt is not Algorithm.adapt
-
-    @staticmethod
-    def report(diagnostics: dict[str, dict[int, Any]], out_dir: Path) -> list[Path]:
-        """Draw this algorithm's diagnostics as PNGs into out_dir; returns the files written."""
-        return []
 
     def check(self) -> None:
         """Raise `pfedkit.config.ConfigError` when an option does not fit the run's model or data
@@ -316,7 +319,7 @@ class Algorithm:
         """How the server receives round `rnd`'s replies from the participants `cids`: an object
         fed each reply as it comes (`add`) that returns the new server state (`finish`). Default:
         keep them all and call `aggregate`. A method whose aggregate is a running sum returns one
-        that folds each reply and drops it (`pfedkit.algorithms.aggregation`), so the server's
+        that folds each reply and drops it (`pfedkit.core.aggregation`), so the server's
         memory does not grow with the number of participants."""
         return CollectReplies(partial(self.aggregate, rnd, server))
 
@@ -365,19 +368,3 @@ def message_bytes(message: Any) -> int:
     if isinstance(message, str):
         return len(message.encode())
     raise TypeError(f"cannot count the bytes of a {type(message).__name__} in a message")
-
-
-_REGISTRY: dict[str, type[Algorithm]] = {}
-
-
-def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make an algorithm available by its `name`."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"algorithm name {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registry() -> dict[str, type[Algorithm]]:
-    return _REGISTRY
-
