@@ -79,6 +79,16 @@ def learned_run(config: dict):
     return result, metrics, final_state(result)
 
 
+def refusal(call, *args) -> str:
+    """The message of the ConfigError that `call(*args)` raises, checked to be one line."""
+    from pfedkit.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        call(*args)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
 def num_parameters(params: dict) -> int:
     """Entries in a parameter dict: the tests' own count for expected message sizes (4 bytes each
     in float32), independent of `message_bytes`, the code under test."""
