@@ -220,18 +220,17 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 def cmd_data_stats(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config, split_config_and_overrides
-    from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import split_indices
     from pfedkit.data.hf import file_label
     from pfedkit.data.stats import client_class_table
-    from pfedkit.federation import split_plan
+    from pfedkit.federation import config_dataset, split_plan
     from pfedkit.report.data_plots import client_class_heatmap
 
     source, overrides = split_config_and_overrides(ns.items)
     config = load_config(source, overrides)
     out = Path(ns.out or Path(config.out_dir) / f"data-stats-{file_label(config.dataset)}-{config.partition.scheme}.png")
     check_writable_file(out, "--out" if ns.out else "out_dir")
-    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
+    dataset = config_dataset(config)
     train_index, test_index = split_indices(split_plan(config), dataset)
     table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
     print(table.to_string())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pfedkit.config import Config, load_config
+from pfedkit.config import Config, load_config, split_config_and_overrides
 from pfedkit.core.errors import ConfigError
 from pfedkit.data.datasets import Dataset, load_dataset
 from pfedkit.data.export import write_export
@@ -40,9 +40,10 @@ def resolve_partition(items: list[str]) -> tuple[Config, Dataset, list[np.ndarra
     """The config, dataset and per-client (train, test) rows of a run directory (its config.yaml
     and partition.npz, no overrides allowed) or of a config file and/or key=value overrides (the
     partition is computed as `pfedkit run` would)."""
-    first = Path(items[0]) if items and "=" not in items[0] else None
+    source, overrides = split_config_and_overrides(items)
+    first = Path(source) if source is not None else None
     if first is not None and first.is_dir():
-        if len(items) > 1:
+        if overrides:
             raise ConfigError(f"data export {first}: a run directory takes no overrides (its config.yaml is used)")
         if not (first / "config.yaml").is_file() or not (first / "partition.npz").is_file():
             raise ConfigError(f"data export {first}: not a run directory (expected config.yaml and partition.npz); "
@@ -52,7 +53,7 @@ def resolve_partition(items: list[str]) -> tuple[Config, Dataset, list[np.ndarra
         with np.load(first / "partition.npz") as saved:
             train_index, test_index = load_partition(dict(saved))
         return config, dataset, train_index, test_index
-    config = load_config(str(first) if first is not None else None, items[1:] if first is not None else items)
+    config = load_config(source, overrides)
     dataset = config_dataset(config)
     train_index, test_index = split_indices(split_plan(config), dataset)
     return config, dataset, train_index, test_index

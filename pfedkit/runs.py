@@ -35,14 +35,13 @@ from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_json, a
 from pfedkit.build import build_algorithm, check_precision, make_runtime, model_name, simulation_for, uses_channels_last
 from pfedkit.config import Config, load_config
 from pfedkit.core.errors import ConfigError
-from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
 from pfedkit.engine.client_states import STATES_DIR, Placement, disk_stores
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.simulate import Simulation, TrainingDiverged
 from pfedkit.engine.state import SimState
 from pfedkit.evaluation import summarize
-from pfedkit.federation import split_plan
+from pfedkit.federation import config_dataset, split_plan
 from pfedkit.privacy.setup import privacy_budget
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
@@ -123,7 +122,7 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
     `state_dir`: where client states go when they are kept on disk (`client_states`); default:
     the resumed run's, or a scratch directory under `out_dir` deleted with the state."""
     check_precision(config)
-    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
+    dataset = config_dataset(config)
     channels_last = uses_channels_last(config, dataset.input_shape)
     if resume_dir is not None:
         with np.load(resume_dir / "partition.npz") as saved:

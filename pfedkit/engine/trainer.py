@@ -82,6 +82,14 @@ def request_lr(request: Fit, settings: TrainSettings) -> float:
     return settings.lr if request.lr is None else request.lr
 
 
+def precision_context(precision: str, device: torch.device):
+    """The forward pass's numeric context: bf16 autocast on `device`, or nothing for fp32 (the
+    sequential trainer and the vectorized runtime compute under the same one)."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
     """All mini-batch index tensors of one request, in order: `request.epochs` epochs (default
     the config's local_epochs), or exactly `request.steps` batches drawn epoch by epoch."""
@@ -254,9 +262,7 @@ class LocalTrainer:
         return loss
 
     def _precision(self):
-        if self.settings.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return precision_context(self.settings.precision, self.device)
 
     @torch.no_grad()
     def _load(self, params: Params, buffers: Params | None) -> None:

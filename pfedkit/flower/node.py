@@ -27,14 +27,13 @@ from flwr.app import Context, Message, RecordDict
 
 from pfedkit.config import Config
 from pfedkit.core.threads import compute_threads
-from pfedkit.data.datasets import load_dataset
 from pfedkit.data.federated import client_data, split_indices
 from pfedkit.data.partition import class_counts
 from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import LocalClients
 from pfedkit.engine.state import SimState
-from pfedkit.federation import split_plan
+from pfedkit.federation import config_dataset, split_plan
 from pfedkit.flower.records import put, take
 
 HEADER = "pfedkit"  # the ConfigRecord every server message carries: op, round, config
@@ -62,7 +61,7 @@ def build_node(config: Config, cid: int) -> NodeClient:
     from pfedkit.build import build_algorithm, train_settings, uses_channels_last
 
     device = resolve_device(config.device, "sequential")  # this machine's: a node is one sequential trainer
-    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
+    dataset = config_dataset(config)
     if not 0 <= cid < config.num_clients:
         raise ValueError(f"partition-id {cid} is outside the run's clients 0..{config.num_clients - 1}")
     train_index, test_index = split_indices(split_plan(config), dataset)

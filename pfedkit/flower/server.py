@@ -142,13 +142,12 @@ def serve(grid: Grid, config: Config, quiet: bool = True):
     """Run `config` with the clients on Flower nodes; writes a run directory as `pfedkit run` does
     (config.yaml, partition.npz, metrics.csv, summary.json, clients.npz; no checkpoint)."""
     from pfedkit import build, runs
-    from pfedkit.data.datasets import load_dataset
     from pfedkit.data.federated import build_federated
-    from pfedkit.federation import split_plan
+    from pfedkit.federation import config_dataset, split_plan
     from pfedkit.flower.checks import check_flower_config
 
     check_flower_config(config)  # also for an app started by hand (flwr run)
-    dataset = load_dataset(config.dataset, config.data_dir, options=config.data)
+    dataset = config_dataset(config)
     data = build_federated(split_plan(config), dataset, build.uses_channels_last(config, dataset.input_shape))
     algorithm, _ = build.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     clients = FlowerClients(grid, config, asks_reports=algorithm.has_client_report())

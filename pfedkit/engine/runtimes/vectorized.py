@@ -41,7 +41,6 @@ device; an algorithm's custom `predict` on the host).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -59,7 +58,8 @@ from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
-from pfedkit.engine.trainer import FitJob, FitOutcome, TrainSettings, batch_schedule, request_lr
+from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
+                                    request_lr)
 from pfedkit.evaluation import ClientEval
 
 
@@ -371,7 +371,7 @@ class VectorizedRuntime:
         """One client's loss as a function of (trainable, frozen batched, frozen shared, x, y,
         batch row indices, context batched, context shared), for vmap(grad_and_value(...))."""
         body, head, names = self.model.body, self.model.head, self.names
-        precision = self._precision
+        precision = functools.partial(precision_context, self.settings.precision, self.device)
 
         def client_loss(trainable, frozen_batched, frozen_shared, xb, yb, index, context_batched, context_shared):
             merged = {**frozen_shared, **frozen_batched, **trainable}
@@ -384,11 +384,6 @@ class VectorizedRuntime:
                       context_batched[i] if i in context_batched else context_shared[i] for i in range(num_leaves)]
             return loss(out, yb, live, tree_unflatten(leaves, spec))
         return client_loss
-
-    def _precision(self):
-        if self.settings.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     @torch.no_grad()
     def _sgd_step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
