@@ -167,7 +167,7 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     out_root = ns.out or parse_overrides(ns.overrides).get("out_dir") or "runs"
     check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
-    for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet):
+    for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet, reuse=ns.reuse):
         print((out_dir / "paper.md").read_text())
         print(f"directory: {out_dir} (paper.md/.csv beside the paper; table.md/.csv every number)")
     return 0
@@ -349,6 +349,9 @@ def _add_reproduce(sub) -> None:
     p_rep.add_argument("--list", action="store_true", help="the paper's tables, rows and budgets (no paper: "
                        "all papers' tables, and why the others cannot be rebuilt)")
     p_rep.add_argument("--out", help="directory (default OUT_DIR/reproduce/PAPER-TABLE-BUDGET: reruns resume)")
+    p_rep.add_argument("--reuse", metavar="DIR", help="start from the finished runs in DIR (run directories with "
+                       "config.yaml and summary.json, e.g. docs/results/fedrema-1-mnist-regime): those this table "
+                       "runs with the same settings are reused, the rest run")
     p_rep.add_argument("-q", "--quiet", action="store_true")
     p_rep.set_defaults(func=cmd_reproduce)
 

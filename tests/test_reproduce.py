@@ -1,6 +1,8 @@
 """`pfedkit reproduce`: the paper preset files, the table beside the paper, and the smoke budget."""
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from pfedkit.cli import main
 from pfedkit.core.errors import ConfigError
-from pfedkit.experiments.comparison import Entry, RunRecord
+from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs
 from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
 from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, paper_table, plan_table
 
@@ -264,3 +266,49 @@ def test_cwfedavg_wdr_target_follows_the_authors_code():
     row = next(r for r in table.rows if r.algorithm == "cwfedavg")
     options = paper.cell_config(table, table.columns[0], row, paper.budget(table, "paper"))["cwfedavg"]
     assert options["empirical_from"] == "train_and_test" and options["wdr_half_factor"] is True
+
+
+REGIME_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "fedrema-1-mnist-regime"
+
+
+def test_reuse_adopts_only_finished_runs_of_the_same_cells_and_settings(tmp_path):
+    """--reuse: a committed table folder seeds a fresh table directory; other budgets are refused."""
+    from pfedkit.experiments.comparison import _run_once
+    from pfedkit.experiments.reproduce import adopt_finished_runs
+
+    paper = load_paper("fedrema")
+    table = paper.table("1-mnist")
+    source = tmp_path / "source"
+    shutil.copytree(REGIME_RESULTS, source)
+    (source / "Other-s0").mkdir()
+    for name in ("config.yaml", "summary.json"):
+        shutil.copy(source / "MNIST-Local-s0" / name, source / "Other-s0" / name)
+    out = tmp_path / "table"
+    (out / "runs" / "MNIST-FedAvg-s0").mkdir(parents=True)  # a half run already there stays as it is
+    regime = plan_table(paper, table, "regime", ["data_dir=nowhere"])
+    outcome = adopt_finished_runs(source, regime, out)
+    assert outcome["MNIST-Local-s0"] == outcome["MNIST-FedReMa-s0"] == outcome["MNIST-FedPAC-s0"] == "reused"
+    assert outcome["MNIST-FedAvg-s0"].endswith("exists already (kept)")
+    assert outcome["Other-s0"] == "not a run of this table at this budget"
+    assert not (out / "runs" / "MNIST-FedAvg-s0" / "summary.json").exists()
+    assert not (out / "runs" / "Other-s0").exists()
+    planned = {record.run_dir.name: (record, config) for record, config in plan_runs(out, regime.entries, regime.seeds)}
+    record, config = planned["MNIST-Local-s0"]
+    summary, how = _run_once(record.run_dir, config, quiet=True)  # reused: no data is read (data_dir=nowhere)
+    assert how == "reused" and summary == json.loads((source / "MNIST-Local-s0" / "summary.json").read_text())
+
+    cpu = plan_table(paper, table, "cpu", ["data_dir=nowhere"])
+    refused = adopt_finished_runs(source, cpu, tmp_path / "cpu")
+    assert all(what.startswith("made with other settings") for name, what in refused.items() if name != "Other-s0")
+    assert not (tmp_path / "cpu" / "runs").exists() or not any((tmp_path / "cpu" / "runs").iterdir())
+
+
+def test_reuse_needs_one_table_and_a_directory(tmp_path, capsys):
+    """Both refusals come before the data check and before any directory is made."""
+    assert main(["reproduce", "fedrema", "--table", "1-mnist,2", "--budget", "smoke", "--out", str(tmp_path / "t"),
+                 "--reuse", str(REGIME_RESULTS), "data_dir=nowhere"]) != 0
+    assert "single --table" in capsys.readouterr().err
+    assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(tmp_path / "u"),
+                 "--reuse", str(tmp_path / "missing"), "data_dir=nowhere"]) != 0
+    assert "not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()

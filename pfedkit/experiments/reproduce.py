@@ -8,6 +8,8 @@ implement keep their line, with the paper's value and "not implemented".
 """
 from __future__ import annotations
 
+import shutil
+import sys
 import textwrap
 import warnings
 from dataclasses import dataclass
@@ -19,11 +21,12 @@ from scipy.stats import kendalltau, rankdata
 
 from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import deep_merge, parse_overrides
+from pfedkit.config import deep_merge, load_config, parse_overrides
 from pfedkit.core.errors import ConfigError, ConfigWarning
 from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
                                             write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper
+from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 NOT_IMPLEMENTED = "not implemented"
 CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
@@ -265,17 +268,46 @@ def list_papers() -> str:
     return "\n".join(lines)
 
 
+def adopt_finished_runs(source: Path, plan: Plan, out_dir: Path) -> dict[str, str]:
+    """Copy into `out_dir`/runs the finished runs in `source` (run directories with config.yaml and
+    summary.json, e.g. a table's docs/results/ folder from an earlier machine) that this plan runs
+    with the same settings and `out_dir` lacks, so the table reuses them instead of running them
+    again. Returns {run name: what happened} for every run directory found in `source`."""
+    planned = {record.run_dir.name: config for record, config in plan_runs(out_dir, plan.entries, plan.seeds)}
+    outcome = {}
+    for run_dir in sorted(path for path in source.iterdir() if (path / "summary.json").is_file()):
+        target = out_dir / "runs" / run_dir.name
+        if run_dir.name not in planned:
+            outcome[run_dir.name] = "not a run of this table at this budget"
+        elif target.exists():
+            outcome[run_dir.name] = f"{target} exists already (kept)"
+        elif changes := changed_keys(identity(load_config(run_dir / "config.yaml")), identity(planned[run_dir.name])):
+            outcome[run_dir.name] = f"made with other settings ({describe_changes(changes)}): not reused"
+        else:
+            shutil.copytree(run_dir, target)
+            outcome[run_dir.name] = "reused"
+    return outcome
+
+
 def reproduce(name: str, table_ids: list[str] | None, budget_name: str, overrides: list[str] | None = None,
-              out: str | None = None, quiet: bool = True) -> list[tuple[Path, pd.DataFrame]]:
-    """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each."""
+              out: str | None = None, quiet: bool = True, reuse: str | None = None) -> list[tuple[Path, pd.DataFrame]]:
+    """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each.
+    `reuse`: a directory of finished runs of the (single) table to start from (adopt_finished_runs)."""
     paper = load_paper(name)
     tables = [paper.table(t) for t in table_ids] if table_ids else paper.tables
     plans = [plan_table(paper, table, budget_name, overrides) for table in tables]
     out_root = parse_overrides(overrides or []).get("out_dir", "runs")
     outs = [Path(out) / plan.table.id if out and len(plans) > 1 else Path(out) if out
             else default_out(paper, plan.table, budget_name, out_root) for plan in plans]
+    if reuse is not None and len(plans) != 1:
+        raise ConfigError("--reuse takes the finished runs of one table: name a single --table")
+    if reuse is not None and not Path(reuse).is_dir():
+        raise ConfigError(f"--reuse {reuse}: not a directory")
     for plan in plans:  # a missing dataset stops the command before any directory is made
         check_data(plan)
     for plan, out_dir in zip(plans, outs):  # every cell of every table validated before the first run
         plan_runs(out_dir, plan.entries, plan.seeds)
+    if reuse is not None:
+        for run_name, what in adopt_finished_runs(Path(reuse), plans[0], outs[0]).items():
+            print(f"--reuse {run_name}: {what}", file=sys.stderr)
     return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]

@@ -1,0 +1,75 @@
+"""The scripts behind docs/results.md's choices: bf16 parity and pFedPM's grid of a on validation."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_metrics(run_dir: Path, accuracies: dict[int, list[float]]) -> Path:
+    """metrics.csv with one row per client and round (client i's accuracy = accuracies[round][i])."""
+    run_dir.mkdir(parents=True)
+    rows = [{"round": rnd, "client": client, "accuracy": acc}
+            for rnd, values in accuracies.items() for client, acc in enumerate(values)]
+    pd.DataFrame(rows).to_csv(run_dir / "metrics.csv", index=False)
+    return run_dir
+
+
+def test_parity_compares_unweighted_round_means_over_common_complete_rounds(tmp_path):
+    parity = load_script("precision_parity")
+    a = write_metrics(tmp_path / "a", {1: [0.5, 0.7], 2: [0.6, 0.8], 3: [0.9, 0.9]})
+    # b's round 3 is half written (one client): it is not a round b has evaluated
+    b = write_metrics(tmp_path / "b", {1: [0.5, 0.5], 2: [0.8, 0.8], 3: [0.1]})
+    series_a, series_b = parity.per_round_accuracy(a), parity.per_round_accuracy(b)
+    assert list(series_b.index) == [1, 2]
+    assert series_a[1] == pytest.approx(60.0)  # unweighted mean of 50 % and 70 %
+    result = parity.parity(series_a, series_b)
+    assert result["rounds"] == 2
+    assert result["max_abs_diff"] == pytest.approx(10.0)  # round 1: 60 vs 50; round 2: 70 vs 80
+    assert result["mean_abs_diff"] == pytest.approx(10.0)
+    assert result["last_mean_a"] == pytest.approx(65.0)
+    assert result["last_mean_b"] == pytest.approx(65.0)
+    assert parity.parity(series_a, series_b, last=1)["last_mean_b"] == pytest.approx(80.0)
+
+
+def test_grid_runs_the_tables_pfedpm_cells_on_validation_with_only_a_changed():
+    grid = load_script("pfedpm_a_grid")
+    entries = grid.grid_entries("1-mnist", [0.2, 0.8], None, "data")
+    assert [(entry.group, entry.label) for entry in entries] == [
+        (n, label) for n in ("n=3", "n=4", "n=5") for label in ("a=0.2", "a=0.8")]
+    from pfedkit.experiments.paper_presets import load_paper
+    from pfedkit.experiments.reproduce import plan_table
+    paper = load_paper("pfedpm")
+    table = next(table for table in paper.tables if table.id == "1-mnist")
+    cells = {entry.group: entry.config for entry in plan_table(paper, table, "regime", ["data_dir=data"]).entries
+             if entry.label == "pFedPM"}
+    for entry in entries:
+        cell = cells[entry.group]
+        assert entry.config["validation_fraction"] == grid.VALIDATION_FRACTION > 0
+        assert entry.config["pfedpm"]["a"] == float(entry.label.removeprefix("a="))
+        assert entry.config["pfedpm"]["lam"] == cell["pfedpm"]["lam"]
+        assert {k: v for k, v in entry.config.items() if k not in ("pfedpm", "validation_fraction")} == \
+            {k: v for k, v in cell.items() if k != "pfedpm"}
+
+
+def test_grid_picks_each_columns_best_a_and_the_smaller_a_on_a_tie():
+    grid = load_script("pfedpm_a_grid")
+    scores = {("n=3", 0.2): 0.90, ("n=3", 0.4): 0.95, ("n=3", 0.6): 0.95, ("n=4", 0.2): 0.97, ("n=4", 0.4): 0.93}
+    records = [SimpleNamespace(entry=SimpleNamespace(label=f"a={a:g}", group=column),
+                               summary={"final_acc_unweighted": score}) for (column, a), score in scores.items()]
+    records.append(SimpleNamespace(entry=SimpleNamespace(label="a=0.8", group="n=4"), summary={}))  # not finished
+    table = grid.grid_table(records)
+    assert table.loc[0.4, "n=3"] == pytest.approx(95.0)
+    assert grid.best_a(table) == {"n=3": 0.4, "n=4": 0.2}
