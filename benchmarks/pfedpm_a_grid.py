@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pfedkit.atomic import atomic_write_text
 from pfedkit.experiments.comparison import Entry, run_comparison
 from pfedkit.experiments.paper_presets import load_paper
 from pfedkit.experiments.reproduce import plan_table
@@ -30,7 +31,7 @@ VALIDATION_FRACTION = 0.2
 def grid_entries(table_id: str, grid: list[float], columns: list[str] | None, data_dir: str) -> list[Entry]:
     """The table's pFedPM cells at the regime budget, one entry per (column, a), on validation."""
     paper = load_paper("pfedpm")
-    table = next(table for table in paper.tables if table.id == table_id)
+    table = paper.table(table_id)
     plan = plan_table(paper, table, "regime", [f"data_dir={data_dir}"])
     cells = [entry for entry in plan.entries if entry.label == "pFedPM"
              and (columns is None or entry.group in columns)]
@@ -71,7 +72,7 @@ def main() -> None:
     text = (f"pFedPM {args.table}, regime budget, validation_fraction {VALIDATION_FRACTION}: "
             f"final_acc_unweighted on validation (%)\n\n{table.round(2).to_markdown()}\n\n"
             + "\n".join(f"- {column}: best a = {a:g}" for column, a in best_a(table).items()) + "\n")
-    (out / "grid.md").write_text(text)
+    atomic_write_text(out / "grid.md", text)
     print(text)
 
 

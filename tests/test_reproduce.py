@@ -286,7 +286,7 @@ def test_reuse_adopts_only_finished_runs_of_the_same_cells_and_settings(tmp_path
     out = tmp_path / "table"
     (out / "runs" / "MNIST-FedAvg-s0").mkdir(parents=True)  # a half run already there stays as it is
     regime = plan_table(paper, table, "regime", ["data_dir=nowhere"])
-    outcome = adopt_finished_runs(source, regime, out)
+    outcome = adopt_finished_runs(source, plan_runs(out, regime.entries, regime.seeds), out)
     assert outcome["MNIST-Local-s0"] == outcome["MNIST-FedReMa-s0"] == outcome["MNIST-FedPAC-s0"] == "reused"
     assert outcome["MNIST-FedAvg-s0"].endswith("exists already (kept)")
     assert outcome["Other-s0"] == "not a run of this table at this budget"
@@ -298,7 +298,7 @@ def test_reuse_adopts_only_finished_runs_of_the_same_cells_and_settings(tmp_path
     assert how == "reused" and summary == json.loads((source / "MNIST-Local-s0" / "summary.json").read_text())
 
     cpu = plan_table(paper, table, "cpu", ["data_dir=nowhere"])
-    refused = adopt_finished_runs(source, cpu, tmp_path / "cpu")
+    refused = adopt_finished_runs(source, plan_runs(tmp_path / "cpu", cpu.entries, cpu.seeds), tmp_path / "cpu")
     assert all(what.startswith("made with other settings") for name, what in refused.items() if name != "Other-s0")
     assert not (tmp_path / "cpu" / "runs").exists() or not any((tmp_path / "cpu" / "runs").iterdir())
 

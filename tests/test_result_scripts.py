@@ -52,7 +52,7 @@ def test_grid_runs_the_tables_pfedpm_cells_on_validation_with_only_a_changed():
     from pfedkit.experiments.paper_presets import load_paper
     from pfedkit.experiments.reproduce import plan_table
     paper = load_paper("pfedpm")
-    table = next(table for table in paper.tables if table.id == "1-mnist")
+    table = paper.table("1-mnist")
     cells = {entry.group: entry.config for entry in plan_table(paper, table, "regime", ["data_dir=data"]).entries
              if entry.label == "pFedPM"}
     for entry in entries:

@@ -169,14 +169,19 @@ def in_table_order(earlier: dict[str, Any], records: list[RunRecord]) -> list[Ru
     return sorted(records, key=lambda record: (order[(record.entry.group, record.entry.label)], record.seed))
 
 
+def changes_from_stored(run_dir: Path, config: Config) -> dict[str, tuple[Any, Any]]:
+    """How `config` differs, in what it computes, from the run whose config.yaml is in `run_dir`
+    (run_identity.changed_keys; empty: the stored run is this config's run)."""
+    return changed_keys(identity(load_config(run_dir / "config.yaml")), identity(config))
+
+
 def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any], str]:
     """A finished run's summary (reused), a half run resumed, or a new run."""
     from pfedkit.engine.client_states import STATES_DIR
     from pfedkit.runs import CHECKPOINT, run
 
     if (run_dir / "config.yaml").is_file():
-        stored = load_config(run_dir / "config.yaml")
-        changes = changed_keys(identity(stored), identity(config))
+        changes = changes_from_stored(run_dir, config)
         if changes:
             raise ConfigError(f"{run_dir} was made with other settings ({describe_changes(changes)}); "
                               "use another --out directory or delete that run")

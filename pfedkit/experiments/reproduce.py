@@ -21,12 +21,12 @@ from scipy.stats import kendalltau, rankdata
 
 from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
-from pfedkit.config import deep_merge, load_config, parse_overrides
+from pfedkit.config import Config, deep_merge, parse_overrides
 from pfedkit.core.errors import ConfigError, ConfigWarning
-from pfedkit.experiments.comparison import (Entry, RunRecord, mean_std, plan_runs, run_comparison,
-                                            write_seed_table)
+from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
+                                            run_comparison, write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper
-from pfedkit.run_identity import changed_keys, describe_changes, identity
+from pfedkit.run_identity import describe_changes
 
 NOT_IMPLEMENTED = "not implemented"
 CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
@@ -268,12 +268,13 @@ def list_papers() -> str:
     return "\n".join(lines)
 
 
-def adopt_finished_runs(source: Path, plan: Plan, out_dir: Path) -> dict[str, str]:
+def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], out_dir: Path) -> dict[str, str]:
     """Copy into `out_dir`/runs the finished runs in `source` (run directories with config.yaml and
-    summary.json, e.g. a table's docs/results/ folder from an earlier machine) that this plan runs
-    with the same settings and `out_dir` lacks, so the table reuses them instead of running them
-    again. Returns {run name: what happened} for every run directory found in `source`."""
-    planned = {record.run_dir.name: config for record, config in plan_runs(out_dir, plan.entries, plan.seeds)}
+    summary.json, e.g. a table's docs/results/ folder from an earlier machine) that the table's
+    `planned` runs (plan_runs) hold with the same settings and `out_dir` lacks, so the table reuses
+    them instead of running them again. Returns {run name: what happened} for every run directory
+    found in `source`."""
+    planned = {record.run_dir.name: config for record, config in planned}
     outcome = {}
     for run_dir in sorted(path for path in source.iterdir() if (path / "summary.json").is_file()):
         target = out_dir / "runs" / run_dir.name
@@ -281,7 +282,7 @@ def adopt_finished_runs(source: Path, plan: Plan, out_dir: Path) -> dict[str, st
             outcome[run_dir.name] = "not a run of this table at this budget"
         elif target.exists():
             outcome[run_dir.name] = f"{target} exists already (kept)"
-        elif changes := changed_keys(identity(load_config(run_dir / "config.yaml")), identity(planned[run_dir.name])):
+        elif changes := changes_from_stored(run_dir, planned[run_dir.name]):
             outcome[run_dir.name] = f"made with other settings ({describe_changes(changes)}): not reused"
         else:
             shutil.copytree(run_dir, target)
@@ -305,9 +306,9 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
         raise ConfigError(f"--reuse {reuse}: not a directory")
     for plan in plans:  # a missing dataset stops the command before any directory is made
         check_data(plan)
-    for plan, out_dir in zip(plans, outs):  # every cell of every table validated before the first run
-        plan_runs(out_dir, plan.entries, plan.seeds)
+    # every cell of every table validated before the first run
+    planned = [plan_runs(out_dir, plan.entries, plan.seeds) for plan, out_dir in zip(plans, outs)]
     if reuse is not None:
-        for run_name, what in adopt_finished_runs(Path(reuse), plans[0], outs[0]).items():
+        for run_name, what in adopt_finished_runs(Path(reuse), planned[0], outs[0]).items():
             print(f"--reuse {run_name}: {what}", file=sys.stderr)
     return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]
