@@ -224,8 +224,16 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
         context.runtime.close()
     metrics = pd.DataFrame(state.rows)
     return Result(finish_summary(run_dir, state, config, context.data, context.backend,
-                                 getattr(context.runtime, "device", torch.device("cpu")), budget),
+                                 runtime_device(context.runtime), budget),
                   metrics, run_dir)
+
+
+def runtime_device(runtime: Any) -> str:
+    """What the summary records as `device`: where the clients trained. A runtime whose clients
+    choose their own devices (Flower nodes) says so itself; the others name their one device."""
+    if hasattr(runtime, "describe_devices"):
+        return runtime.describe_devices()
+    return describe_device(getattr(runtime, "device", torch.device("cpu")))
 
 
 def keep_completed_rounds(run_dir: Path, state: SimState, config: Config, err: TrainingDiverged) -> None:
@@ -255,7 +263,7 @@ def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> No
 
 
 def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData,
-                   backend: str | None = None, device: torch.device = torch.device("cpu"),
+                   backend: str | None = None, device: str = "cpu",
                    budget: Any = None) -> dict[str, Any]:
     metrics = pd.DataFrame(state.rows)
     summary = summarize(metrics, algorithm=config.algorithm, dataset=config.dataset, rounds=config.rounds,
@@ -265,7 +273,7 @@ def finish_summary(run_dir: Path, state: SimState, config: Config, data: Federat
                         new_client_finetune=config.new_client_finetune)
     summary.update({"model": model_name(config), "num_clients": config.num_clients,
                     "partition": config.partition.scheme, "backend": backend or config.backend,
-                    "device": describe_device(device),
+                    "device": device,
                     "seconds": round(state.seconds, 3),
                     "sec_per_round": round(state.seconds / max(1, state.round), 4),
                     "run_dir": str(run_dir)})

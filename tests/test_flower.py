@@ -101,6 +101,9 @@ def test_flower_simulation_gives_the_sequential_metrics_bytes_included(algorithm
         assert (flower_run.run_dir / name).is_file()
     assert flower_run.summary["backend"] == "flower"
     assert flower_run.summary["best_acc"] == reference.summary["best_acc"]
+    # the device is the one the nodes reported (here this machine's CPU), once per client that trained
+    trained = flower_run.metrics.query("participated == 1")["client"].nunique()
+    assert flower_run.summary["device"] == f"{reference.summary['device']} x {trained}"
 
 
 # --- backend=ray == processes ------------------------------------------------------------------

@@ -200,6 +200,18 @@ def test_the_flower_server_logs_each_clients_device_once(caplog):
     assert [r.getMessage() for r in caplog.records] == ["client 3 trains on cuda:0 (X)"]
 
 
+def test_a_flower_runs_summary_names_the_nodes_devices_not_the_servers():
+    pytest.importorskip("flwr")
+    from pfedkit.flower.server import FlowerClients
+
+    clients = FlowerClients.__new__(FlowerClients)  # no grid: only the bookkeeping
+    clients.devices = {}
+    assert clients.describe_devices() == "not reported by any node"
+    for cid, device in enumerate(["cpu (AVX2)", "cuda:0 (X)", "cpu (AVX2)"]):
+        clients.note_device(cid, device)
+    assert clients.describe_devices() == "cpu (AVX2) x 2, cuda:0 (X) x 1"
+
+
 # ------------------------------------------------------------------ on a GPU
 @needs_cuda
 def test_processes_pinned_to_a_gpu_equal_sequential_on_it(small_config, tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,12 @@ class FlowerClients:
             self.note_device(cid, answers[cid].get("device"))
             receive(cid, answers[cid]["reply"])
         return {cid: {key: answer[key] for key in ("loss", "steps", "samples")} for cid, answer in answers.items()}
+
+    def describe_devices(self) -> str:
+        """The summary's `device`: each device the nodes reported, with its clients' count
+        (`cpu (AVX2) x 3, cuda:0 (NVIDIA H200) x 1`), not the server's own device."""
+        counts = Counter(self.devices.values())
+        return ", ".join(f"{name} x {counts[name]}" for name in sorted(counts)) or "not reported by any node"
 
     def note_device(self, cid: int, device: str | None) -> None:
         """Log the device a client's node trains on, the first time it says (nodes choose their own)."""
