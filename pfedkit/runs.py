@@ -214,6 +214,8 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
                 raise
             if budget is not None:
                 budget.write_epsilon(state.rows, state.round)
+                if over := budget.overshoot(state.rows, state.round):
+                    tqdm.write(over, file=sys.stderr)  # the next check stops the run: epsilon only grows
             if report.acc_weighted is not None:
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)

@@ -259,9 +259,28 @@ def test_run_stops_before_a_round_that_would_exceed_target_epsilon(equal_clients
     assert metrics["round"].max() == 2
     assert metrics.loc[metrics["round"] == 2, "epsilon"].max() <= target
     assert result.summary["rounds_done"] == 2 and result.summary["dp_stopped_early"] is True
-    assert result.summary["epsilon"] <= target
+    assert result.summary["epsilon"] <= target and result.summary["dp_target_exceeded"] is False
     lines = [line for line in capsys.readouterr().err.splitlines() if "target_epsilon" in line]
     assert len(lines) == 1 and "round 3" in lines[0]
+
+
+def test_a_round_with_more_dp_sgd_steps_than_predicted_is_reported_past_the_target():
+    """Sample level predicts a participant's steps from its previous participation; a method whose
+    local work grows (a second stage, say) can pass the target in that round: said, not hidden."""
+    from pfedkit.privacy.accounting import PrivacyBudget
+
+    budget = PrivacyBudget("sample", 1.0, DELTA, "rdp", None, lambda rnd: [0], 1, n_train=[100], batch_size=10)
+    within, past = budget._epsilon(0.1, 10 + 10), budget._epsilon(0.1, 10 + 40)
+    budget.target_epsilon = (within + past) / 2
+    rows = [{"round": 1, "client": 0, "train_steps": 10}]
+    assert budget.exhausted(rows, 1, [0]) is None  # round 2 predicted at 10 steps: within
+    as_predicted = rows + [{"round": 2, "client": 0, "train_steps": 10}]
+    assert budget.overshoot(as_predicted, 2) is None and not budget.summary(as_predicted, 2, 2)["dp_target_exceeded"]
+    grown = rows + [{"round": 2, "client": 0, "train_steps": 40}]
+    line = budget.overshoot(grown, 2)
+    assert line is not None and "round 2" in line and f"{past:.4g}" in line
+    assert budget.summary(grown, 2, 3)["dp_target_exceeded"] is True
+    assert budget.exhausted(grown, 2, [0]) is not None  # and round 3 does not run
 
 
 def test_prv_accountant_matches_opacus_prv():

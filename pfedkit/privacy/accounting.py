@@ -83,7 +83,8 @@ class PrivacyBudget:
     epsilon(z_s, min(1, B / n_i), DP-SGD steps client i ran); before a round, each of its
     participants is expected to run as many steps as in its previous participation (its first:
     local_epochs passes over its data in batches of B): exact for methods whose local work is the
-    same every round, and checked after the round."""
+    same every round, and checked after the round (`overshoot`: a round that ran more steps than
+    predicted and passed the target is reported, and the summary says `dp_target_exceeded`)."""
 
     def __init__(self, level: str, noise_multiplier: float, delta: float, accountant: str,
                  target_epsilon: float | None, participants: Callable[[int], list[int]], num_clients: int,
@@ -177,6 +178,15 @@ class PrivacyBudget:
         return (f"dp.target_epsilon: stopped after round {done}: round {done + 1} would reach epsilon "
                 f"{upcoming:.4g} > {self.target_epsilon:g} (delta {self.delta:g}); {kept}")
 
+    def overshoot(self, rows: Sequence[dict], rnd: int) -> str | None:
+        """One line if round rnd, now done, took the run past target_epsilon (at sample level a
+        participant may run more DP-SGD steps than its previous participation predicted), or None."""
+        if self.target_epsilon is None or (reached := self.epsilon_after(rows, rnd)) <= self.target_epsilon:
+            return None
+        return (f"dp.target_epsilon: round {rnd} ran more DP-SGD steps than predicted and reached epsilon "
+                f"{reached:.4g} > {self.target_epsilon:g} (delta {self.delta:g}); the run stops here and its "
+                "summary says dp_target_exceeded")
+
     def write_epsilon(self, rows: list[dict], rnd: int) -> None:
         """metrics.csv's `epsilon` column: the run's epsilon after round rnd, on that round's rows."""
         value = self.epsilon_after(rows, rnd)
@@ -187,9 +197,11 @@ class PrivacyBudget:
     def summary(self, rows: Sequence[dict], done: int, planned: int) -> dict:
         """The summary's privacy fields: the guarantee of the rounds done."""
         rate = self.client_rate if self.level == "client" else None
-        return {"dp_level": self.level, "epsilon": self.epsilon_after(rows, done), "delta": self.delta,
+        reached = self.epsilon_after(rows, done)
+        exceeded = self.target_epsilon is not None and reached > self.target_epsilon
+        return {"dp_level": self.level, "epsilon": reached, "delta": self.delta,
                 "dp_accountant": self.accountant, "dp_noise_multiplier": self.noise_multiplier,
                 "dp_client_sampling_rate": rate,
                 "dp_client_sampling": self.client_sampling if self.level == "client" else None,
                 "dp_adjacency": self.adjacency, "dp_target_epsilon": self.target_epsilon,
-                "dp_stopped_early": done < planned}
+                "dp_stopped_early": done < planned, "dp_target_exceeded": exceeded}
