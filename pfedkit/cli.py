@@ -167,7 +167,8 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     out_root = ns.out or parse_overrides(ns.overrides).get("out_dir") or "runs"
     check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
-    for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet, reuse=ns.reuse):
+    for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet,
+                                 reuse=ns.reuse, table_only=ns.table_only):
         print((out_dir / "paper.md").read_text())
         print(f"directory: {out_dir} (paper.md/.csv beside the paper; table.md/.csv every number)")
     return 0
@@ -352,6 +353,8 @@ def _add_reproduce(sub) -> None:
     p_rep.add_argument("--reuse", metavar="DIR", help="start from the finished runs in DIR (run directories with "
                        "config.yaml and summary.json, e.g. docs/results/fedrema-1-mnist-regime): those this table "
                        "runs with the same settings are reused, the rest run")
+    p_rep.add_argument("--table-only", action="store_true", help="write paper.md and table.md from the runs "
+                       "already finished in the directory (with --reuse DIR: those of DIR) and run nothing")
     p_rep.add_argument("-q", "--quiet", action="store_true")
     p_rep.set_defaults(func=cmd_reproduce)
 

@@ -145,6 +145,7 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
         # one-off setup exchange (round 0), included in bytes_up; settings.md §4.6 reports it apart
         "bytes_setup": int(metrics.loc[metrics["round"] == 0, "bytes_up"].sum()),
     }
+    summary.update(steps_per_round(metrics))
     key = ("final_acc" if point == "final" else f"{point}_acc") + ("_unweighted" if weighting == "unweighted" else "")
     summary["headline_acc"] = summary[key]
     summary["headline"] = f"{HEADLINE_WORDS[weighting]}, {HEADLINE_WORDS[point]}; evaluated {eval_point.replace('_', ' ')}"
@@ -154,6 +155,21 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
     if new_ids:
         summary.update(new_client_summary(newcomers, new_ids, new_client_finetune, key))
     return summary
+
+
+def steps_per_round(metrics: pd.DataFrame) -> dict:
+    """`train_steps_mean/min/max`: the local SGD steps of one participant in one round (a
+    participant whose reply never came left out): the regime a paper's setting is compared by."""
+    if "train_steps" not in metrics.columns or "participated" not in metrics.columns:
+        return {}
+    trained = (metrics["round"] >= 1) & (metrics["participated"] == 1)
+    if "dropped" in metrics.columns:
+        trained &= metrics["dropped"] == 0
+    steps = metrics.loc[trained, "train_steps"]
+    if steps.empty:
+        return {"train_steps_mean": None, "train_steps_min": None, "train_steps_max": None}
+    return {"train_steps_mean": float(steps.mean()), "train_steps_min": int(steps.min()),
+            "train_steps_max": int(steps.max())}
 
 
 def new_client_summary(newcomers: pd.DataFrame, new_ids: list[int], finetune_epochs: int, headline_key: str) -> dict:
@@ -170,6 +186,8 @@ def accuracy_numbers(table: pd.DataFrame) -> dict:
     """Best, last-5, last-10 and final accuracy (weighted, then unweighted) and the final round's
     spread of a `round_table`: the accuracy part of a summary."""
     last, last_long = table.tail(LAST_K), table.tail(LAST_K_LONG)
+    # the 10 evaluated rounds before the last 10: last10 - prev10 says whether a run has settled
+    before_long = table.iloc[-2 * LAST_K_LONG:-LAST_K_LONG] if len(table) >= 2 * LAST_K_LONG else table.iloc[:0]
     final = table.iloc[-1] if len(table) else None
 
     def at_final(column: str) -> float | None:
@@ -183,6 +201,8 @@ def accuracy_numbers(table: pd.DataFrame) -> dict:
         "best_acc_unweighted": _num(table["acc_mean"].max()),
         "last5_acc_unweighted": _num(last["acc_mean"].mean()),
         "last10_acc_unweighted": _num(last_long["acc_mean"].mean()),
+        "prev10_acc": _num(before_long["acc_weighted"].mean()),
+        "prev10_acc_unweighted": _num(before_long["acc_mean"].mean()),
         "final_acc_unweighted": at_final("acc_mean"),
         "final_acc_std": at_final("acc_std"),
         "final_acc_worst": at_final("acc_worst"),

@@ -37,6 +37,30 @@ def test_summary_best_round_and_totals():
     assert summary["bytes_up"] == 600 and summary["bytes_down"] == 300
 
 
+def test_summary_says_how_far_the_last_ten_rounds_moved_and_the_steps_a_round():
+    """25 rounds of 2 clients: client 0 right r times in 100 in round r, client 1 always half;
+    client 1 trains 3 steps a round, client 0 only in odd rounds (5 steps), dropped in round 25."""
+    rows = []
+    for rnd in range(1, 26):
+        for cid, (correct, n) in enumerate(((rnd, 100), (50, 100))):
+            rows.append({"round": rnd, "client": cid, "correct": correct, "n_test": n, "accuracy": correct / n,
+                         "loss": 1.0, "balanced_acc": 0.0, "bytes_up": 0, "bytes_down": 0,
+                         "participated": int(cid == 1 or rnd % 2 == 1),
+                         "train_steps": 3 if cid == 1 else (5 if rnd % 2 == 1 and rnd < 25 else 0),
+                         "dropped": int(cid == 0 and rnd == 25)})
+    summary = summarize(pd.DataFrame(rows), algorithm="x", dataset="d", rounds=25, class_correct=None,
+                        class_total=None, train_counts=np.zeros((2, 2)))
+    # rounds 16-25 against 6-15: client 0's accuracy moved by 10 points, the mean over clients by 5
+    assert summary["last10_acc_unweighted"] - summary["prev10_acc_unweighted"] == pytest.approx(0.05)
+    assert summary["prev10_acc"] == pytest.approx(np.mean([(r + 50) / 200 for r in range(6, 16)]))
+    # participants' rows only (client 0's even rounds and its dropped round 25 left out)
+    assert summary["train_steps_min"] == 3 and summary["train_steps_max"] == 5
+    assert summary["train_steps_mean"] == pytest.approx((25 * 3 + 12 * 5) / 37)
+    short = summarize(pd.DataFrame(rows[:38]), algorithm="x", dataset="d", rounds=19, class_correct=None,
+                      class_total=None, train_counts=np.zeros((2, 2)))
+    assert short["prev10_acc"] is None  # fewer than 20 evaluated rounds: nothing to compare with
+
+
 def test_group_accuracy_uses_training_counts_thresholds():
     train_counts = np.array([[100, 50, 10, 0]])
     class_correct = np.array([[9, 4, 1, 0]])

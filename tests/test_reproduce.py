@@ -13,7 +13,7 @@ from pfedkit.cli import main
 from pfedkit.core.errors import ConfigError
 from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs
 from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
-from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, paper_table, plan_table
+from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, Plan, paper_markdown, paper_table, plan_table
 
 from conftest import SHARED_DATASETS
 
@@ -158,6 +158,28 @@ def test_a_spread_over_clients_is_shown_as_ours_over_clients():
                for seed, best, spread in ((0, 0.8, 0.10), (1, 0.9, 0.20))]
     line = paper_table(table, records).set_index(["column", "method"]).loc[("A", "M1")]
     assert (line["ours"], line["ours_std"]) == pytest.approx((85.0, 15.0))
+
+
+def test_the_table_shows_each_methods_steps_a_round_and_how_far_its_last_rounds_moved():
+    """Means over seeds: steps of the runs' means (range over all), the move of the metric's
+    weighting in points; a summary from before these facts shows `-`."""
+    def facts(seed: int, steps: tuple, last: float, prev: float) -> RunRecord:
+        return RunRecord(Entry("M1", {}, group="A"), seed, Path("."), {
+            "best_acc_unweighted": 0.9, "train_steps_mean": steps[0], "train_steps_min": steps[1],
+            "train_steps_max": steps[2], "last10_acc_unweighted": last, "prev10_acc_unweighted": prev,
+            "last10_acc": 0.5, "prev10_acc": 0.1})
+    table = synthetic_table().model_copy(update={"metric": "best_acc_unweighted"})
+    records = [facts(0, (100.0, 40, 200), 0.90, 0.88), facts(1, (120.0, 60, 150), 0.85, 0.86),
+               RunRecord(Entry("M2", {}, group="A"), 0, Path("."), {"best_acc_unweighted": 0.8})]
+    frame = paper_table(table, records).set_index(["column", "method"])
+    m1 = frame.loc[("A", "M1")]
+    assert (m1["steps"], m1["steps_min"], m1["steps_max"]) == (110.0, 40, 200)
+    assert m1["moved"] == pytest.approx((2.0 + 1.0) / 2)  # |0.90 - 0.88| and |0.85 - 0.86|, unweighted
+    assert np.isnan(frame.loc[("A", "M2"), "moved"]) and np.isnan(frame.loc[("A", "M2"), "steps"])
+    paper = load_paper("dapfl")
+    plan = Plan(paper, table, "cpu", paper.budgets["cpu"], [], [0, 1])
+    text = paper_markdown(plan, paper_table(table, records))
+    assert "| 110 (40-200) | 1.50 |" in text and "| - | - |" in text
 
 
 def test_an_unfinished_table_marks_its_missing_cells_pending():
@@ -312,3 +334,22 @@ def test_reuse_needs_one_table_and_a_directory(tmp_path, capsys):
                  "--reuse", str(tmp_path / "missing"), "data_dir=nowhere"]) != 0
     assert "not a directory" in capsys.readouterr().err
     assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()
+
+
+def test_table_only_writes_the_committed_table_without_data_or_runs(tmp_path, capsys):
+    """`--reuse DIR --table-only` rebuilds a committed table on a machine without the data: the
+    finished cells with their numbers, the missing ones pending, and no run started."""
+    out = tmp_path / "table"
+    assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(out),
+                 "--reuse", str(REGIME_RESULTS), "--table-only", "data_dir=nowhere"]) == 0
+    paper = pd.read_csv(out / "paper.csv").set_index("method")
+    stored = json.loads((REGIME_RESULTS / "MNIST-FedReMa-s0" / "summary.json").read_text())
+    assert paper.loc["FedReMa", "ours"] == pytest.approx(100 * stored[paper.loc["FedReMa", "metric"]])
+    assert paper.loc["FedReMa (code)", "status"] == "pending"  # its run is not among the committed ones
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
+        p.name for p in REGIME_RESULTS.iterdir() if (p / "summary.json").is_file())
+    assert "FedReMa" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(empty),
+                 "--table-only", "data_dir=nowhere"]) != 0
+    assert "no finished run" in capsys.readouterr().err

@@ -8,6 +8,7 @@ implement keep their line, with the paper's value and "not implemented".
 """
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import textwrap
@@ -83,23 +84,40 @@ def run_plan(plan: Plan, out_dir: Path, quiet: bool = True) -> pd.DataFrame:
     """Run the plan's comparison and write table.csv/.md (all numbers) and paper.csv/.md (beside
     the paper), rewritten after every run so an interrupted table shows what finished; returns
     the paper table."""
-    def write_tables(records: list[RunRecord]) -> pd.DataFrame:
-        write_seed_table(out_dir, records)
-        result = paper_table(plan.table, records)
-        left_out = pd.Series(False, index=result.index)  # rows/columns the budget leaves out are not "pending"
-        if plan.budget.rows is not None:
-            left_out |= ~result["method"].isin(plan.budget.rows)
-        if plan.budget.columns is not None:
-            left_out |= ~result["column"].isin(plan.budget.columns)
-        result.loc[left_out & (result["status"] == "pending"), "status"] = f"not run at budget {plan.budget_name}"
-        atomic_write_text(out_dir / "paper.csv", result.to_csv(index=False))
-        atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result))
-        return result
-
-    records = run_comparison(out_dir, plan.entries, plan.seeds, quiet=quiet, after_each=write_tables, extra={
+    records = run_comparison(out_dir, plan.entries, plan.seeds, quiet=quiet,
+                             after_each=lambda finished: write_tables(plan, out_dir, finished), extra={
         "kind": "reproduce", "paper": plan.paper.paper, "table": plan.table.id, "budget": plan.budget_name,
         "reduced": plan.budget.reduced, "source": plan.table.source, "caption": plan.table.caption})
-    return write_tables(records)
+    return write_tables(plan, out_dir, records)
+
+
+def write_tables(plan: Plan, out_dir: Path, records: list[RunRecord]) -> pd.DataFrame:
+    """table.csv/.md and paper.csv/.md of the finished `records`; returns the paper table."""
+    write_seed_table(out_dir, records)
+    result = paper_table(plan.table, records)
+    left_out = pd.Series(False, index=result.index)  # rows/columns the budget leaves out are not "pending"
+    if plan.budget.rows is not None:
+        left_out |= ~result["method"].isin(plan.budget.rows)
+    if plan.budget.columns is not None:
+        left_out |= ~result["column"].isin(plan.budget.columns)
+    result.loc[left_out & (result["status"] == "pending"), "status"] = f"not run at budget {plan.budget_name}"
+    atomic_write_text(out_dir / "paper.csv", result.to_csv(index=False))
+    atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result))
+    return result
+
+
+def write_finished(plan: Plan, out_dir: Path) -> pd.DataFrame:
+    """`--table-only`: the tables of the runs of `plan` already finished in `out_dir`; runs nothing
+    (a table still running elsewhere, or one started from `--reuse`, shown as it stands)."""
+    records = [record for record, _ in plan_runs(out_dir, plan.entries, plan.seeds)
+               if (record.run_dir / "summary.json").is_file()]
+    if not records:
+        raise ConfigError(f"--table-only: no finished run of {plan.paper.paper} table {plan.table.id} at budget "
+                          f"{plan.budget_name} in {out_dir / 'runs'}; run the table first, or add --reuse DIR")
+    for record in records:
+        record.summary = json.loads((record.run_dir / "summary.json").read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_tables(plan, out_dir, records)
 
 
 def paper_table(table: Table, records: list[RunRecord]) -> pd.DataFrame:
@@ -117,10 +135,27 @@ def paper_table(table: Table, records: list[RunRecord]) -> pd.DataFrame:
                           "paper_std": np.nan if paper_value is None or paper_value.std is None else paper_value.std,
                           "ours": mean, "ours_std": std, "seeds": len(summaries),
                           "status": NOT_IMPLEMENTED if row.algorithm is None else
-                          ("ran" if summaries else "pending")})
+                          ("ran" if summaries else "pending"), **regime_facts(summaries, metric)})
     frame = pd.DataFrame(lines)
     frame["diff"] = frame["ours"] - frame["paper"]
     return add_ranks(frame)
+
+
+def regime_facts(summaries: list[dict], metric: str) -> dict:
+    """What says whether a run is in the paper's regime and settled, over its seeds: local steps
+    per participant and round (mean of the runs' means, lowest and highest), and `moved`, how far
+    the mean of the last 10 evaluated rounds lies from the 10 before (in points, mean over seeds),
+    with the metric's weighting. NaN where no summary has them (runs from before they were written)."""
+    suffix = "_unweighted" if metric.endswith("_unweighted") else ""
+
+    def values(key: str) -> list[float]:
+        return [s[key] for s in summaries if s.get(key) is not None]
+
+    moves = [abs(s[f"last10_acc{suffix}"] - s[f"prev10_acc{suffix}"]) * 100 for s in summaries
+             if s.get(f"last10_acc{suffix}") is not None and s.get(f"prev10_acc{suffix}") is not None]
+    means, lows, highs = values("train_steps_mean"), values("train_steps_min"), values("train_steps_max")
+    return {"steps": float(np.mean(means)) if means else np.nan, "steps_min": min(lows, default=np.nan),
+            "steps_max": max(highs, default=np.nan), "moved": float(np.mean(moves)) if moves else np.nan}
 
 
 def our_value(summaries: list[dict], metric: str, spread: str) -> tuple[float, float]:
@@ -159,6 +194,13 @@ def _num(value: float, std: float | None = None) -> str:
     return f"{value:.2f}" + ("" if std is None or np.isnan(std) else f" ± {std:.2f}")
 
 
+def _steps(line: pd.Series) -> str:
+    """`250 (110-345)`: mean local steps of a participant in a round, and their range."""
+    if np.isnan(line["steps"]):
+        return "-"
+    return f"{line['steps']:.0f} ({line['steps_min']:.0f}-{line['steps_max']:.0f})"
+
+
 def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
     """Markdown: a heading with the source and budget, then one table per column."""
     table = plan.table
@@ -167,18 +209,21 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
              f"seeds: {len(plan.seeds)}. Metric: {table.metric} in % (paper's ± is over {table.spread}; "
              + ("ours is the std over clients at the last evaluation, mean over seeds). " if table.spread == "clients"
                 else "ours is over seeds, ddof=0). ") + "diff = ours - paper in points; `order` marks a method whose rank "
-             "among the methods with both numbers differs from the paper's."]
+             "among the methods with both numbers differs from the paper's; steps a round: local SGD steps of a "
+             "participant in a round, mean (lowest-highest); last-10 moved: how far the mean accuracy of the "
+             "last 10 evaluated rounds lies from the 10 before, in points (settled below 0.5)."]
     for column, block in result.groupby("column", sort=False):
         tau = block["kendall_tau"].dropna()
         parts.append(f"\n### {column}" + (f" (Kendall tau ours vs paper: {tau.iloc[0]:.2f})" if len(tau) else ""))
-        parts.append("| method | metric | ours | seeds | paper | diff | rank ours / paper | order |")
-        parts.append("|---|---|---|---|---|---|---|---|")
+        parts.append("| method | metric | ours | seeds | paper | diff | rank ours / paper | order "
+                     "| steps a round | last-10 moved |")
+        parts.append("|---|---|---|---|---|---|---|---|---|---|")
         for _, line in block.iterrows():
             ours = _num(line["ours"], line["ours_std"]) if line["status"] == "ran" else line["status"]
             ranks = "-" if np.isnan(line["rank_ours"]) else f"{int(line['rank_ours'])} / {int(line['rank_paper'])}"
             parts.append(f"| {line['method']} | {line['metric']} | {ours} | {line['seeds']} "
                          f"| {_num(line['paper'], line['paper_std'])} | {_num(line['diff'])} | {ranks} "
-                         f"| {'≠' if line['order_differs'] else ''} |")
+                         f"| {'≠' if line['order_differs'] else ''} | {_steps(line)} | {_num(line['moved'])} |")
     return "\n".join(parts) + "\n"
 
 
@@ -291,9 +336,11 @@ def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], o
 
 
 def reproduce(name: str, table_ids: list[str] | None, budget_name: str, overrides: list[str] | None = None,
-              out: str | None = None, quiet: bool = True, reuse: str | None = None) -> list[tuple[Path, pd.DataFrame]]:
+              out: str | None = None, quiet: bool = True, reuse: str | None = None,
+              table_only: bool = False) -> list[tuple[Path, pd.DataFrame]]:
     """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each.
-    `reuse`: a directory of finished runs of the (single) table to start from (adopt_finished_runs)."""
+    `reuse`: a directory of finished runs of the (single) table to start from (adopt_finished_runs).
+    `table_only`: write the tables of the runs already finished, run nothing."""
     paper = load_paper(name)
     tables = [paper.table(t) for t in table_ids] if table_ids else paper.tables
     plans = [plan_table(paper, table, budget_name, overrides) for table in tables]
@@ -304,11 +351,13 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
         raise ConfigError("--reuse takes the finished runs of one table: name a single --table")
     if reuse is not None and not Path(reuse).is_dir():
         raise ConfigError(f"--reuse {reuse}: not a directory")
-    for plan in plans:  # a missing dataset stops the command before any directory is made
+    for plan in plans if not table_only else []:  # a missing dataset stops the command before any directory is made
         check_data(plan)
     # every cell of every table validated before the first run
     planned = [plan_runs(out_dir, plan.entries, plan.seeds) for plan, out_dir in zip(plans, outs)]
     if reuse is not None:
         for run_name, what in adopt_finished_runs(Path(reuse), planned[0], outs[0]).items():
             print(f"--reuse {run_name}: {what}", file=sys.stderr)
+    if table_only:
+        return [(out_dir, write_finished(plan, out_dir)) for plan, out_dir in zip(plans, outs)]
     return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]
