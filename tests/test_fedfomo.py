@@ -2,8 +2,6 @@
 the validation split kept out of training, the peer choice, and a digits run."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -13,7 +11,7 @@ import pfedkit
 from pfedkit.core.contract import ClientData, Setup
 from pfedkit.algorithms.fedfomo import (DISTANCE_EPS, FedFomo, choose_peers, exploration_rate, fomo_update,
                                         fomo_weights, improvement_ratios, parameter_distance, top_peers,
-                                        validation_size)
+                                        validation_size, validation_split)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import flatten
 from pfedkit.engine.model_ops import ModelOps
@@ -61,23 +59,24 @@ def test_hand_computed_weights_and_update():
 
 
 def test_client_mixes_by_validation_losses_and_trains_only_on_the_other_positions():
-    """Losses on the LAST ceil(0.2 n) positions only (the first positions carry labels that would
-    reverse the ranking), distance over all parameters, then a Fit on positions 0..n - n_val - 1."""
+    """Losses on the validation positions only (the training positions carry labels that would
+    reverse the ranking), distance over all parameters, then a Fit on the other positions."""
     algo = tiny_algo(num_clients=3)
     own, good, bad = tiny_params(0), tiny_params(1), tiny_params(2)
     n = 12
     x = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
     ops = ModelOps(TinyNet)
-    n_val = math.ceil(0.2 * n)
-    y_val = ops.logits(good, x[n - n_val:]).argmax(dim=1)  # labels `good` predicts
-    y = torch.cat([ops.logits(bad, x[:n - n_val]).argmax(dim=1), y_val])
+    fit_on, held_out = validation_split(n, 0.2, 0, 0)
+    y = ops.logits(bad, x).argmax(dim=1)
+    y[held_out] = ops.logits(good, x[held_out]).argmax(dim=1)  # labels `good` predicts
+    y_val = y[held_out]
     data = ClientData(0, x, y, x[:1], y[:1], np.bincount(y.numpy(), minlength=3))
     update = algo.client_update(1, 0, {"params": own}, {"models": [good, bad], "ids": np.array([1, 2])}, data)
     fit = next(update)
-    assert torch.equal(fit.samples, torch.arange(n - n_val))
+    assert torch.equal(fit.samples, fit_on)
 
     def val_loss(params):
-        return F.cross_entropy(ops.logits(params, x[n - n_val:]).double(), y_val).item()
+        return F.cross_entropy(ops.logits(params, x[held_out]).double(), y_val).item()
 
     def dist(params):
         return torch.linalg.vector_norm(flatten(params).double() - flatten(own).double()).item()
@@ -151,6 +150,21 @@ def test_validation_split_sizes():
         validation_size(1, 0.2)
     with pytest.raises(ConfigError, match="at least 2 training samples"):
         tiny_algo(num_clients=2, counts=np.array([[1, 0, 0], [3, 3, 3]])).check()
+
+
+def test_the_validation_split_is_random_per_client_not_the_last_positions():
+    """The stored datasets are sorted by label, so a client's last positions hold its highest class:
+    the split is drawn at random (seeded, the same every round), partitions the positions, and on
+    a label-sorted client of two classes both classes are validated on."""
+    n = 200
+    fit_on, held_out = validation_split(n, 0.2, 7, 3)
+    assert len(held_out) == validation_size(n, 0.2) == 40
+    assert torch.equal(torch.sort(torch.cat([fit_on, held_out])).values, torch.arange(n))
+    again, other_client = validation_split(n, 0.2, 7, 3), validation_split(n, 0.2, 7, 4)
+    assert torch.equal(again[1], held_out) and not torch.equal(other_client[1], held_out)
+    assert not torch.equal(held_out, torch.arange(n - 40, n))
+    labels = torch.cat([torch.zeros(150, dtype=torch.long), torch.ones(50, dtype=torch.long)])  # sorted
+    assert set(labels[held_out].tolist()) == {0, 1}
 
 
 def test_distance_is_the_l2_norm_over_all_parameters():

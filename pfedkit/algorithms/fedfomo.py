@@ -7,8 +7,9 @@ per participant i:
 1. download the M models of OTHER clients with the largest P[i, j] (ties -> lowest j), each slot
    replaced with probability eps_t = epsilon * epsilon_decay^(t-1) by a uniformly drawn other
    client not yet chosen (epsilon-greedy exploration), with their client ids;
-2. on its validation split (the last ceil(val_ratio n) positions of its training set, never trained
-   on) compute the losses L(theta_old) of its own model and L(theta_j) of each download, the ratios
+2. on its validation split (ceil(val_ratio n) positions of its training set drawn at random once
+   per client and seed, never trained on; not the last positions: the datasets store rows sorted by
+   label, so those would hold one class) compute the losses L(theta_old) of its own model and L(theta_j) of each download, the ratios
    r_ij = (L(theta_old) - L(theta_j)) / (||theta_j - theta_old||_2 + 1e-5) and the weights
    w_ij = max(0, r_ij) normalised to sum 1 (all 0: keep theta_old);
 3. theta_i = theta_old + sum_j w_ij (theta_j - theta_old) (= sum_j w_ij theta_j), then E epochs on
@@ -76,6 +77,14 @@ def validation_size(n: int, ratio: float) -> int:
     return min(max(1, math.ceil(ratio * n)), n - 1)
 
 
+def validation_split(n: int, ratio: float, seed: int, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation) positions of a client's n training samples: validation_size(n, ratio)
+    of them drawn uniformly at random from (seed, cid), the same every round, each sorted."""
+    order = numpy_rng(seed, 0, cid, "fedfomo-validation").permutation(n)
+    held_out = validation_size(n, ratio)
+    return torch.from_numpy(np.sort(order[held_out:])), torch.from_numpy(np.sort(order[:held_out]))
+
+
 def parameter_distance(a: Params, b: Params) -> float:
     """||a - b||_2 over all parameters, float64."""
     return float(torch.linalg.vector_norm(flatten(a).double() - flatten(b).double()))
@@ -116,8 +125,8 @@ class FedFomo(Algorithm):
 
         num_peers: M, models downloaded per round (5 [paper/code]); clipped to N - 1 [code: PFLlib
             clips it to the participants].
-        val_ratio: share of the training set held out for the weights: its last ceil(val_ratio n)
-            positions, at least 1 sample and leaving at least 1 (0.2 [paper/code]).
+        val_ratio: share of the training set held out for the weights: ceil(val_ratio n) positions
+            drawn at random once per client, at least 1 sample and leaving at least 1 (0.2 [paper/code]).
         epsilon: initial exploration probability per downloaded slot (0.3 [paper, schedule
             unverified]); 0 gives PFLlib's plain top-M.
         epsilon_decay: eps_t = epsilon * epsilon_decay^(t-1) (0.98 [ours]).
@@ -166,11 +175,11 @@ class FedFomo(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         own, peers, ids = client["params"], message["models"], [int(j) for j in message["ids"]]
-        n = data.n_train
-        n_val = validation_size(n, self.h.val_ratio)
-        ratios = self.ratios(cid, own, peers, data.x_train[n - n_val:], data.y_train[n - n_val:], data.buffers)
+        fit_on, held_out = validation_split(data.n_train, self.h.val_ratio, self.setup.seed, cid)
+        rows = held_out.to(data.x_train.device)
+        ratios = self.ratios(cid, own, peers, data.x_train[rows], data.y_train[rows], data.buffers)
         start = fomo_update(own, peers, fomo_weights(ratios))
-        trained = yield Fit(start, samples=torch.arange(n - n_val))
+        trained = yield Fit(start, samples=fit_on)
         return {"params": trained}, {"params": trained, "ratios": dict(zip(ids, ratios.tolist()))}
 
     def ratios(self, cid: int, own: Params, peers: Sequence[Params], x: torch.Tensor, y: torch.Tensor,
