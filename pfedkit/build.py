@@ -144,7 +144,7 @@ def train_settings(config: Config) -> TrainSettings:
                          config.weight_decay, config.grad_clip, config.drop_last, config.precision, config.seed,
                          config.keep_optimizer_state, config.compile,
                          dp_sample_clip=config.dp.sample_clip if config.dp.level == "sample" else None,
-                         dp_sample_noise=config.dp.sample_noise_multiplier)
+                         dp_sample_noise=config.dp.sample_noise_multiplier, local_steps=config.local_steps)
 
 
 # ------------------------------------------------------------------ runtimes, one factory per backend

@@ -178,6 +178,9 @@ class Config(BaseModel):
                                      "split from what it received before it is evaluated (0: evaluated as received)")
     rounds: int = Field(20, ge=1)
     local_epochs: int = Field(1, ge=1)
+    local_steps: int | None = Field(None, ge=1, description="exactly this many mini-batch steps per client and "
+                                    "round instead of local_epochs epochs (batches drawn pass by pass, each pass "
+                                    "reshuffled); a method's own phases that name their epochs keep them")
     batch_size: int = Field(10, ge=1)
     lr: float = Field(0.05, gt=0, description="SGD learning rate (papers: 0.005-0.01; set it per preset)")
     momentum: float = Field(0.0, ge=0, lt=1)

@@ -283,6 +283,17 @@ def test_a_round_with_more_dp_sgd_steps_than_predicted_is_reported_past_the_targ
     assert budget.exhausted(grown, 2, [0]) is not None  # and round 3 does not run
 
 
+def test_sample_level_predicts_a_first_participation_from_local_steps_when_set():
+    from pfedkit.privacy.accounting import PrivacyBudget
+
+    def first(**kw) -> int:
+        budget = PrivacyBudget("sample", 1.0, DELTA, "rdp", None, lambda rnd: [0], 1, n_train=[95],
+                               batch_size=10, local_epochs=3, **kw)
+        return budget.expected_steps([], 0)
+    assert first() == 3 * 10 and first(drop_last=True) == 3 * 9
+    assert first(local_steps=4) == 4 and first(local_steps=40) == 40
+
+
 def test_prv_accountant_matches_opacus_prv():
     accountant = PRVAccountant()
     accountant.history = [(1.1, 0.1, 50)]

@@ -113,6 +113,19 @@ def test_no_epochs_given_uses_the_config_local_epochs(client_data):
     assert len(calls.batches) == outcome.steps == CONFIG_EPOCHS * BATCHES_PER_EPOCH
 
 
+def test_config_local_steps_replace_the_epochs_of_a_request_that_names_neither(client_data):
+    """local_steps = 7 (more than one pass of 5 batches): exactly 7 batches, the same batches as a
+    request for steps=7; a request that names its epochs or steps keeps them."""
+    calls, asked = LossCalls(), LossCalls()
+    outcome = fit(make_trainer(local_steps=7), client_data, loss=calls)
+    fit(make_trainer(), client_data, steps=7, loss=asked)
+    assert len(calls.batches) == outcome.steps == 7
+    assert all(torch.equal(a, b) for a, b in zip(calls.batches, asked.batches))
+    assert epochs_of(calls.batches)[0] == list(range(NUM_SAMPLES))  # the first pass covers every sample
+    assert fit(make_trainer(local_steps=7), client_data, epochs=1).steps == BATCHES_PER_EPOCH
+    assert fit(make_trainer(local_steps=7), client_data, steps=2).steps == 2
+
+
 def test_epochs_with_drop_last_skip_the_partial_batch(client_data):
     calls = LossCalls()
     outcome = fit(make_trainer(drop_last=True), client_data, epochs=2, loss=calls)

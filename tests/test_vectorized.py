@@ -89,6 +89,19 @@ def test_vectorized_run_matches_sequential(algorithm, tmp_path, capsys):
     assert "vectorized runtime: training on cpu" in out and "falling back" not in out
 
 
+def test_local_steps_train_exactly_that_many_batches_on_both_runtimes(tmp_path):
+    """local_steps = 3: every participant of every round makes 3 steps (fewer than one pass over
+    any client's data here), whichever runtime; the two agree as for epochs."""
+    config = {**run_config(tmp_path, "fedavg", "sequential"), "local_steps": 3}
+    sequential = pfedkit.run(config)
+    vectorized = pfedkit.run({**config, "backend": "vectorized", "out_dir": str(tmp_path / "v")})
+    trained = sequential.metrics[sequential.metrics["participated"] == 1]
+    assert (trained["train_steps"] == 3).all() and (trained["n_train"] > 3 * BATCH).all()
+    assert sequential.summary["train_steps_mean"] == 3
+    np.testing.assert_allclose(vectorized.metrics["train_loss"], sequential.metrics["train_loss"], atol=1e-5)
+    np.testing.assert_allclose(vectorized.metrics["accuracy"], sequential.metrics["accuracy"], atol=1e-4)
+
+
 @pytest.mark.parametrize("trainable", ["all", "head"])
 def test_fit_many_matches_local_trainer_per_client(trainable, digits):
     """Per-client anchors (DA-PFL-like), different steps/epochs per client, last batches of

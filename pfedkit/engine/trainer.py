@@ -43,6 +43,8 @@ class TrainSettings:
     # clip and noise multiplier for training Fits; None: ordinary SGD.
     dp_sample_clip: float | None = None
     dp_sample_noise: float = 0.0
+    # config local_steps: a Fit that names neither epochs nor steps runs exactly this many batches
+    local_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,17 +93,19 @@ def precision_context(precision: str, device: torch.device):
 
 
 def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """All mini-batch index tensors of one request, in order: `request.epochs` epochs (default
-    the config's local_epochs), or exactly `request.steps` batches drawn epoch by epoch."""
+    """All mini-batch index tensors of one request, in order: `request.epochs` epochs, or exactly
+    `request.steps` batches drawn epoch by epoch; a request naming neither gets the config's
+    local_steps batches when it sets them, else its local_epochs epochs."""
+    steps = request.steps if request.epochs is not None or request.steps is not None else settings.local_steps
     epochs = settings.local_epochs if request.epochs is None else request.epochs
     batches: list[torch.Tensor] = []
     epoch = 0
-    while request.steps is not None or epoch < epochs:
+    while steps is not None or epoch < epochs:
         order = batch_order(n, settings.batch_size, settings.drop_last, generator)
         if not order:
             break  # fewer samples than one batch with drop_last: nothing to train on
         for batch in order:
-            if request.steps is not None and len(batches) == request.steps:
+            if steps is not None and len(batches) == steps:
                 return batches
             batches.append(batch)
         epoch += 1

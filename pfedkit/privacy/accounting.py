@@ -82,14 +82,14 @@ class PrivacyBudget:
     "poisson": epsilon(z, q = join_ratio, rounds done). level "sample": max over clients of
     epsilon(z_s, min(1, B / n_i), DP-SGD steps client i ran); before a round, each of its
     participants is expected to run as many steps as in its previous participation (its first:
-    local_epochs passes over its data in batches of B): exact for methods whose local work is the
-    same every round, and checked after the round (`overshoot`: a round that ran more steps than
+    local_steps, or local_epochs passes over its data in batches of B): exact for methods whose
+    local work is the same every round, and checked after the round (`overshoot`: a round that ran more steps than
     predicted and passed the target is reported, and the summary says `dp_target_exceeded`)."""
 
     def __init__(self, level: str, noise_multiplier: float, delta: float, accountant: str,
                  target_epsilon: float | None, participants: Callable[[int], list[int]], num_clients: int,
                  n_train: Sequence[int] = (), batch_size: int = 1, local_epochs: int = 1, drop_last: bool = False,
-                 client_sampling: str = "fixed", join_ratio: float = 1.0) -> None:
+                 client_sampling: str = "fixed", join_ratio: float = 1.0, local_steps: int | None = None) -> None:
         if level not in ("client", "sample"):
             raise ValueError(f"level must be 'client' or 'sample', got {level!r}")
         if client_sampling not in ("fixed", "poisson"):
@@ -102,7 +102,7 @@ class PrivacyBudget:
         # fixed-size: m, the same every round; Poisson: the count varies (its mean is q N)
         self.sampled = len(participants(1)) if client_sampling == "fixed" else None
         self.n_train, self.batch_size = list(n_train), batch_size
-        self.local_epochs, self.drop_last = local_epochs, drop_last
+        self.local_epochs, self.drop_last, self.local_steps = local_epochs, drop_last, local_steps
         self._cache: dict[tuple[float, int], float] = {}
 
     @property
@@ -156,7 +156,10 @@ class PrivacyBudget:
             if row["client"] == cid and row["round"] >= 1 and row["train_steps"]:
                 return int(row["train_steps"])
         n, b = self.n_train[cid], self.batch_size
-        return self.local_epochs * (n // b if self.drop_last else math.ceil(n / b))
+        per_pass = n // b if self.drop_last else math.ceil(n / b)
+        if self.local_steps is not None:  # config local_steps: that many, unless no batch fits at all
+            return self.local_steps if per_pass else 0
+        return self.local_epochs * per_pass
 
     def epsilon_next(self, rows: Sequence[dict], done: int, participants: Sequence[int]) -> float:
         """The run's epsilon if round done + 1 runs with these participants."""

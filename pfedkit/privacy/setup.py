@@ -92,4 +92,5 @@ def privacy_budget(config: Config, simulation) -> PrivacyBudget | None:
     return PrivacyBudget(dp.level, noise, dp.delta, dp.accountant, dp.target_epsilon, simulation.round_participants,
                          len(simulation.training_clients),
                          [client.n_train for client in simulation.data.clients], config.batch_size,
-                         config.local_epochs, config.drop_last, client_sampling(config), config.join_ratio)
+                         config.local_epochs, config.drop_last, client_sampling(config), config.join_ratio,
+                         config.local_steps)
