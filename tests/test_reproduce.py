@@ -176,6 +176,11 @@ def test_the_table_shows_each_methods_steps_a_round_and_how_far_its_last_rounds_
     assert (m1["steps"], m1["steps_min"], m1["steps_max"]) == (110.0, 40, 200)
     assert m1["moved"] == pytest.approx((2.0 + 1.0) / 2)  # |0.90 - 0.88| and |0.85 - 0.86|, unweighted
     assert np.isnan(frame.loc[("A", "M2"), "moved"]) and np.isnan(frame.loc[("A", "M2"), "steps"])
+    weighted = synthetic_table().model_copy(update={"metric": "best_acc"})
+    for r in records[:2]:
+        r.summary["best_acc"] = 0.9
+    assert paper_table(weighted, records).set_index(["column", "method"]).loc[("A", "M1"), "moved"] == \
+        pytest.approx(40.0)  # the weighted means' move, |0.5 - 0.1|
     paper = load_paper("dapfl")
     plan = Plan(paper, table, "cpu", paper.budgets["cpu"], [], [0, 1])
     text = paper_markdown(plan, paper_table(table, records))
