@@ -34,7 +34,7 @@ from pfedkit.engine.runtimes.processes import ProcessRuntime
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import TrainSettings
-from pfedkit.models import build_model
+from pfedkit.models import build_model, model_info
 from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
 from pfedkit.privacy.setup import attach_client_dp, check_sample_dp
 
@@ -48,6 +48,9 @@ def model_builder(config: Config, input_shape, num_classes: int, head: str, chan
     """A builder of the run's model with `options` (default: `model_options`)."""
     name = model_name(config)
     options = dict(config.model_options if options is None else options)
+    if "head" in options:  # the split is the run's, not one architecture's
+        raise ConfigError("model_options.head: the body/head split is set by head_split (e.g. head_split=fc), "
+                          "where the algorithm allows a choice")
 
     def build():
         # Every instance starts from the same seeded weights; the global RNG is left untouched.
@@ -117,17 +120,36 @@ def simulation_for(config: Config, algorithm, data: FederatedData, runtime: Runt
                       new_clients=config.new_clients, new_client_finetune=config.new_client_finetune)
 
 
+def head_split(config: Config, algo_cls) -> str:
+    """Which layers form the head: config `head_split` where the algorithm allows that split
+    (`Algorithm.head_splits`) and the model has it, else the algorithm's own `head`."""
+    if config.head_split is None or config.head_split == algo_cls.head:
+        return algo_cls.head
+    allowed = (algo_cls.head, *(algo_cls.head_splits or ()))
+    if config.head_split not in allowed:
+        raise ConfigError(f"head_split={config.head_split}: algorithm {config.algorithm} works with "
+                          f"{' or '.join(allowed)} only (its math reads that split); drop head_split")
+    heads = model_info(model_name(config)).heads
+    if config.head_split not in heads:
+        raise ConfigError(f"head_split={config.head_split}: model {model_name(config)} has the splits "
+                          f"{', '.join(heads)}")
+    return config.head_split
+
+
 def build_algorithm(config: Config, input_shape, num_classes: int, train_counts: np.ndarray):
     """The run's algorithm (checked) and its Architectures, from the federation's shape and
     per-client class counts: what the simulation and every Flower node build alike."""
     algo_cls = get_algorithm(config.algorithm)
     channels_last = uses_channels_last(config, input_shape)
-    archs = architectures(config, input_shape, num_classes, algo_cls.head, channels_last)
+    archs = architectures(config, input_shape, num_classes, head_split(config, algo_cls), channels_last)
     try:
         ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
     except ValueError as err:  # a model option the model does not have, or a bad value
         raise ConfigError(f"model_options / client_model_options: {err}") from None
     ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
+    if head_split(config, algo_cls) != algo_cls.head and not any(name.startswith("body.") for name in ops.initial_params()):
+        raise ConfigError(f"head_split={config.head_split}: model {model_name(config)} has no layers before its "
+                          "fully connected ones, so its body would be empty; use a model with a body (e.g. cnn)")
     client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)
     setup = Setup(len(train_counts), num_classes, train_counts, config.seed, config.local_epochs, ops,
                   client_ops, rounds=config.rounds)

@@ -177,6 +177,9 @@ class Config(BaseModel):
     new_client_finetune: int = Field(0, ge=0, description="local epochs a new client trains on its own training "
                                      "split from what it received before it is evaluated (0: evaluated as received)")
     rounds: int = Field(20, ge=1)
+    head_split: Literal["last", "fc"] | None = Field(
+        None, description="which layers form the head: the last Linear or all fully connected layers, for "
+        "algorithms that allow a choice (FedPer, FedRep, LG-FedAvg, FedBABU, FedPAC); None: the algorithm's own")
     local_epochs: int = Field(1, ge=1)
     local_steps: int | None = Field(None, ge=1, description="exactly this many mini-batch steps per client and "
                                     "round instead of local_epochs epochs (batches drawn pass by pass, each pass "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from conftest import final_state
+from conftest import SHARED_DATASETS, final_state, needs_dataset
 
 import pfedkit
 from pfedkit.config import load_config
@@ -72,3 +72,39 @@ def test_fedrep_trains_the_head_with_the_body_frozen_then_the_body(small_config)
     for name, value in select(init, "body").items():  # body epochs 0: the body never moved
         torch.testing.assert_close(state.server["shared"][name], value)
     assert all(not equal(client["private"], select(init, "head")) for client in state.clients)
+
+
+@needs_dataset("mnist")
+def test_head_split_fc_keeps_every_fully_connected_layer_private(small_config):
+    """head_split=fc: FedPer's private part is all the FC layers (the CNN's fc1 too), the shared
+    part the convolutions; the default keeps the last layer only."""
+    config = {**small_config, "algorithm": "fedper", "rounds": 1, "dataset": "mnist", "model": "cnn",
+              "data_dir": str(SHARED_DATASETS), "partition": {"scheme": "iid", "pool_fraction": 0.005}}
+    last, fc = final_state(pfedkit.run(config)), final_state(pfedkit.run({**config, "head_split": "fc"}))
+    def size(params: dict) -> int:
+        return sum(t.numel() for t in params.values())
+
+    def layers(params: dict) -> set:  # names without the body/head prefix, which the split sets
+        return {name.split(".", 1)[1] for name in params}
+
+    assert layers(last.clients[0]["private"]) < layers(fc.clients[0]["private"])
+    assert size(fc.clients[0]["private"]) > size(last.clients[0]["private"])
+    assert size(fc.clients[0]["private"]) + size(fc.server["shared"]) == \
+        size(last.clients[0]["private"]) + size(last.server["shared"])
+    assert all(name.startswith("head.fc") for name in fc.clients[0]["private"])
+
+
+def test_head_split_is_refused_where_the_algorithms_math_reads_one_split(small_config, tmp_path):
+    from pfedkit.core.errors import ConfigError
+
+    for config, words in (({**small_config, "algorithm": "pfedcs", "head_split": "fc"}, "works with last only"),
+                          ({**small_config, "algorithm": "fedper", "model_options": {"head": "fc"}}, "head_split"),
+                          ({**small_config, "algorithm": "fedpac", "head_split": "fc"}, "body would be empty")):
+        try:
+            pfedkit.run(config)
+        except ConfigError as err:
+            assert words in str(err) and "\n" not in str(err)
+        else:
+            raise AssertionError(f"{config} was not refused")
+    # the algorithm's own split named explicitly is no change
+    assert pfedkit.run({**small_config, "algorithm": "fedrema", "head_split": "fc", "rounds": 1}).summary["rounds_done"] == 1

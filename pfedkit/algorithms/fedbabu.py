@@ -25,6 +25,7 @@ from pfedkit.core.params import Params, clone, merge, select
 @register
 class FedBABU(MeanOfUploads, Algorithm):
     name = "fedbabu"
+    head_splits = ("fc",)  # any split: the head is simply the part kept (or frozen) per client
     averaged = "body"  # the server averages the bodies (`MeanOfUploads`)
     description = "FedBABU: body-only federated training with a fixed random head, fine-tuned at evaluation"
 

@@ -175,6 +175,7 @@ class FedPAC(Algorithm):
     name = "fedpac"
     description = "FedPAC: FedAvg body with feature alignment to global centroids, heads combined by a per-client QP"
     head = "last"
+    head_splits = ("fc",)  # the QP combines whatever the head holds; the FedReMa paper's split is all FC layers
 
     class Hyper(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -218,6 +218,8 @@ class Algorithm:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     head: ClassVar[str] = "last"  # which layers form the head: "last" Linear or all "fc" layers
+    # other head splits the algorithm's math works with (config `head_split`); None: `head` only
+    head_splits: ClassVar[tuple[str, ...] | None] = None
     Hyper: ClassVar[type[BaseModel]] = NoHyper
     # True when clients may use different architectures (config `client_model_options`): the
     # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
