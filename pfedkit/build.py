@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pfedkit.algorithms import get_algorithm
+from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.config import Config, per_client_model_options
 from pfedkit.core.backends import BACKENDS
 from pfedkit.core.contract import Setup
@@ -127,8 +127,9 @@ def head_split(config: Config, algo_cls) -> str:
         return algo_cls.head
     allowed = (algo_cls.head, *(algo_cls.head_splits or ()))
     if config.head_split not in allowed:
+        choosers = [name for name in algorithm_names() if get_algorithm(name).head_splits]
         raise ConfigError(f"head_split={config.head_split}: algorithm {config.algorithm} works with "
-                          f"{' or '.join(allowed)} only (its math reads that split); drop head_split")
+                          f"{' or '.join(allowed)} only; head_split applies to {', '.join(choosers)}")
     heads = model_info(model_name(config)).heads
     if config.head_split not in heads:
         raise ConfigError(f"head_split={config.head_split}: model {model_name(config)} has the splits "

@@ -97,7 +97,7 @@ def test_head_split_fc_keeps_every_fully_connected_layer_private(small_config):
 def test_head_split_is_refused_where_the_algorithms_math_reads_one_split(small_config, tmp_path):
     from pfedkit.core.errors import ConfigError
 
-    for config, words in (({**small_config, "algorithm": "pfedcs", "head_split": "fc"}, "works with last only"),
+    for config, words in (({**small_config, "algorithm": "pfedcs", "head_split": "fc"}, "applies to fedbabu, fedpac, fedper"),
                           ({**small_config, "algorithm": "fedper", "model_options": {"head": "fc"}}, "head_split"),
                           ({**small_config, "algorithm": "fedpac", "head_split": "fc"}, "body would be empty")):
         try:
