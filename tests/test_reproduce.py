@@ -344,15 +344,17 @@ def test_reuse_needs_one_table_and_a_directory(tmp_path, capsys):
 def test_table_only_writes_the_committed_table_without_data_or_runs(tmp_path, capsys):
     """`--reuse DIR --table-only` rebuilds a committed table on a machine without the data: the
     finished cells with their numbers, the missing ones pending, and no run started."""
-    out = tmp_path / "table"
+    source, out = tmp_path / "source", tmp_path / "table"
+    shutil.copytree(REGIME_RESULTS, source)
+    shutil.rmtree(source / "MNIST-Local-s0")  # a row not finished yet
     assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(out),
-                 "--reuse", str(REGIME_RESULTS), "--table-only", "data_dir=nowhere"]) == 0
+                 "--reuse", str(source), "--table-only", "data_dir=nowhere"]) == 0
     paper = pd.read_csv(out / "paper.csv").set_index("method")
-    stored = json.loads((REGIME_RESULTS / "MNIST-FedReMa-s0" / "summary.json").read_text())
+    stored = json.loads((source / "MNIST-FedReMa-s0" / "summary.json").read_text())
     assert paper.loc["FedReMa", "ours"] == pytest.approx(100 * stored[paper.loc["FedReMa", "metric"]])
-    assert paper.loc["FedReMa (code)", "status"] == "pending"  # its run is not among the committed ones
+    assert paper.loc["Local", "status"] == "pending"  # its run is not among the given ones
     assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
-        p.name for p in REGIME_RESULTS.iterdir() if (p / "summary.json").is_file())
+        p.name for p in source.iterdir() if (p / "summary.json").is_file())
     assert "FedReMa" in capsys.readouterr().out
     empty = tmp_path / "empty"
     assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(empty),
