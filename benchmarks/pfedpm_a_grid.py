@@ -49,6 +49,15 @@ def grid_table(records) -> pd.DataFrame:
     return pd.DataFrame(rows).pivot(index="a", columns="column", values="validation").sort_index()
 
 
+def grid_markdown(table: pd.DataFrame) -> str:
+    """The grid as a Markdown table (rows a, columns the table's columns, values to 2 decimals);
+    written here rather than with pandas' to_markdown, which needs the optional `tabulate`."""
+    lines = ["| a | " + " | ".join(table.columns) + " |", "|---" * (len(table.columns) + 1) + "|"]
+    for a, row in table.iterrows():
+        lines.append(f"| {a:g} | " + " | ".join("-" if pd.isna(v) else f"{v:.2f}" for v in row) + " |")
+    return "\n".join(lines)
+
+
 def best_a(table: pd.DataFrame) -> dict[str, float]:
     """Each column's best a; idxmax keeps the first maximum, i.e. the smaller a on a tie."""
     return {column: float(table[column].idxmax()) for column in table.columns if table[column].notna().any()}
@@ -70,7 +79,7 @@ def main() -> None:
     records = run_comparison(out, grid_entries(args.table, grid, columns, args.data_dir), [0], quiet=False)
     table = grid_table(records)
     text = (f"pFedPM {args.table}, regime budget, validation_fraction {VALIDATION_FRACTION}: "
-            f"final_acc_unweighted on validation (%)\n\n{table.round(2).to_markdown()}\n\n"
+            f"final_acc_unweighted on validation (%)\n\n{grid_markdown(table)}\n\n"
             + "\n".join(f"- {column}: best a = {a:g}" for column, a in best_a(table).items()) + "\n")
     atomic_write_text(out / "grid.md", text)
     print(text)

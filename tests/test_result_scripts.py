@@ -73,3 +73,6 @@ def test_grid_picks_each_columns_best_a_and_the_smaller_a_on_a_tie():
     table = grid.grid_table(records)
     assert table.loc[0.4, "n=3"] == pytest.approx(95.0)
     assert grid.best_a(table) == {"n=3": 0.4, "n=4": 0.2}
+    text = grid.grid_markdown(table)  # without pandas' optional tabulate
+    assert text.splitlines()[0] == "| a | n=3 | n=4 |" and "| 0.4 | 95.00 | 93.00 |" in text
+    assert "| 0.6 | 95.00 | - |" in text  # n=4 did not run a = 0.6
