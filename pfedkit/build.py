@@ -142,13 +142,14 @@ def build_algorithm(config: Config, input_shape, num_classes: int, train_counts:
     per-client class counts: what the simulation and every Flower node build alike."""
     algo_cls = get_algorithm(config.algorithm)
     channels_last = uses_channels_last(config, input_shape)
-    archs = architectures(config, input_shape, num_classes, head_split(config, algo_cls), channels_last)
+    head = head_split(config, algo_cls)
+    archs = architectures(config, input_shape, num_classes, head, channels_last)
     try:
         ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
     except ValueError as err:  # a model option the model does not have, or a bad value
         raise ConfigError(f"model_options / client_model_options: {err}") from None
     ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]
-    if head_split(config, algo_cls) != algo_cls.head and not any(name.startswith("body.") for name in ops.initial_params()):
+    if head != algo_cls.head and not any(name.startswith("body.") for name in ops.initial_params()):
         raise ConfigError(f"head_split={config.head_split}: model {model_name(config)} has no layers before its "
                           "fully connected ones, so its body would be empty; use a model with a body (e.g. cnn)")
     client_ops = None if archs.model_keys is None else tuple(ops_by_key[key] for key in archs.model_keys)

@@ -81,6 +81,7 @@ def test_head_split_fc_keeps_every_fully_connected_layer_private(small_config):
     config = {**small_config, "algorithm": "fedper", "rounds": 1, "dataset": "mnist", "model": "cnn",
               "data_dir": str(SHARED_DATASETS), "partition": {"scheme": "iid", "pool_fraction": 0.005}}
     last, fc = final_state(pfedkit.run(config)), final_state(pfedkit.run({**config, "head_split": "fc"}))
+
     def size(params: dict) -> int:
         return sum(t.numel() for t in params.values())
 

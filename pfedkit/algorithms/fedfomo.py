@@ -8,8 +8,9 @@ per participant i:
    replaced with probability eps_t = epsilon * epsilon_decay^(t-1) by a uniformly drawn other
    client not yet chosen (epsilon-greedy exploration), with their client ids;
 2. on its validation split (ceil(val_ratio n) positions of its training set drawn at random once
-   per client and seed, never trained on; not the last positions: the datasets store rows sorted by
-   label, so those would hold one class) compute the losses L(theta_old) of its own model and L(theta_j) of each download, the ratios
+   per client and seed, never trained on; not the last positions: the datasets store rows sorted
+   by label, so those would hold one class) compute the losses L(theta_old) of its own model and
+   L(theta_j) of each download, the ratios
    r_ij = (L(theta_old) - L(theta_j)) / (||theta_j - theta_old||_2 + 1e-5) and the weights
    w_ij = max(0, r_ij) normalised to sum 1 (all 0: keep theta_old);
 3. theta_i = theta_old + sum_j w_ij (theta_j - theta_old) (= sum_j w_ij theta_j), then E epochs on

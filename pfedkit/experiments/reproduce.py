@@ -106,11 +106,11 @@ def write_tables(plan: Plan, out_dir: Path, records: list[RunRecord]) -> pd.Data
     return result
 
 
-def write_finished(plan: Plan, out_dir: Path) -> pd.DataFrame:
-    """`--table-only`: the tables of the runs of `plan` already finished in `out_dir`; runs nothing
-    (a table still running elsewhere, or one started from `--reuse`, shown as it stands)."""
-    records = [record for record, _ in plan_runs(out_dir, plan.entries, plan.seeds)
-               if (record.run_dir / "summary.json").is_file()]
+def write_finished(plan: Plan, out_dir: Path, planned: list[tuple[RunRecord, Config]]) -> pd.DataFrame:
+    """`--table-only`: the tables of the plan's `planned` runs (plan_runs) already finished in
+    `out_dir`; runs nothing (a table still running elsewhere, or one started from `--reuse`,
+    shown as it stands)."""
+    records = [record for record, _ in planned if (record.run_dir / "summary.json").is_file()]
     if not records:
         raise ConfigError(f"--table-only: no finished run of {plan.paper.paper} table {plan.table.id} at budget "
                           f"{plan.budget_name} in {out_dir / 'runs'}; run the table first, or add --reuse DIR")
@@ -359,5 +359,5 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
         for run_name, what in adopt_finished_runs(Path(reuse), planned[0], outs[0]).items():
             print(f"--reuse {run_name}: {what}", file=sys.stderr)
     if table_only:
-        return [(out_dir, write_finished(plan, out_dir)) for plan, out_dir in zip(plans, outs)]
+        return [(out_dir, write_finished(plan, out_dir, runs)) for plan, out_dir, runs in zip(plans, outs, planned)]
     return [(out_dir, run_plan(plan, out_dir, quiet)) for plan, out_dir in zip(plans, outs)]

@@ -83,8 +83,9 @@ class PrivacyBudget:
     epsilon(z_s, min(1, B / n_i), DP-SGD steps client i ran); before a round, each of its
     participants is expected to run as many steps as in its previous participation (its first:
     local_steps, or local_epochs passes over its data in batches of B): exact for methods whose
-    local work is the same every round, and checked after the round (`overshoot`: a round that ran more steps than
-    predicted and passed the target is reported, and the summary says `dp_target_exceeded`)."""
+    local work is the same every round, and checked after the round (`overshoot`: a round that
+    ran more steps than predicted and passed the target is reported, and the summary says
+    `dp_target_exceeded`)."""
 
     def __init__(self, level: str, noise_multiplier: float, delta: float, accountant: str,
                  target_epsilon: float | None, participants: Callable[[int], list[int]], num_clients: int,
