@@ -167,8 +167,9 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     out_root = ns.out or parse_overrides(ns.overrides).get("out_dir") or "runs"
     check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
+    rows = [r.strip() for r in ns.rows.split(",") if r.strip()] if ns.rows else None
     for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet,
-                                 reuse=ns.reuse, table_only=ns.table_only):
+                                 reuse=ns.reuse, table_only=ns.table_only, seeds=ns.seeds, rows=rows):
         print((out_dir / "paper.md").read_text())
         print(f"directory: {out_dir} (paper.md/.csv beside the paper; table.md/.csv every number)")
     return 0
@@ -349,6 +350,11 @@ def _add_reproduce(sub) -> None:
                        "tables only; paper: the full setting")
     p_rep.add_argument("--list", action="store_true", help="the paper's tables, rows and budgets (no paper: "
                        "all papers' tables, and why the others cannot be rebuilt)")
+    p_rep.add_argument("--rows", help="run only these methods, comma-separated, in this order (names as in --list; "
+                       "a row the budget leaves out runs at the budget's settings); the table keeps the rows "
+                       "finished earlier in its directory")
+    p_rep.add_argument("--seeds", type=int, metavar="N", help="seeds 0..N-1 instead of the budget's (finished "
+                       "seeds are reused: --seeds 2 after a 1-seed table runs seed 1 only)")
     p_rep.add_argument("--out", help="directory (default OUT_DIR/reproduce/PAPER-TABLE-BUDGET: reruns resume)")
     p_rep.add_argument("--reuse", metavar="DIR", help="start from the finished runs in DIR (run directories with "
                        "config.yaml and summary.json, e.g. docs/results/fedrema-1-mnist-regime): those this table "

@@ -15,7 +15,7 @@ from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs
 from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
 from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, Plan, paper_markdown, paper_table, plan_table
 
-from conftest import SHARED_DATASETS
+from conftest import SHARED_DATASETS, needs_dataset
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -360,3 +360,65 @@ def test_table_only_writes_the_committed_table_without_data_or_runs(tmp_path, ca
     assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(empty),
                  "--table-only", "data_dir=nowhere"]) != 0
     assert "no finished run" in capsys.readouterr().err
+
+
+# ---- --rows and --seeds: a table grown row by row, seed by seed --------------------------------
+
+PFEDPM_RESULTS = REGIME_RESULTS.parent / "pfedpm-1-mnist-regime"
+
+
+def test_rows_choose_the_methods_and_their_order_any_row_of_the_table():
+    paper = load_paper("pfedcs")
+    table = paper.table("1-cifar10")
+    plan = plan_table(paper, table, "regime", rows=["FedFomo", "FedAvg", "FedPer"], seeds=3)
+    assert [e.label for e in plan.entries] == ["FedFomo", "FedAvg", "FedPer"]
+    assert {e.group for e in plan.entries} == set(paper.budget(table, "regime").columns)  # the budget's column
+    fedavg, fedper = plan.entries[1].config, plan.entries[2].config
+    # a row the budget leaves out runs at the budget's settings, as the rows it keeps do
+    assert fedper["rounds"] == fedavg["rounds"] == 60 and fedper["local_epochs"] == fedavg["local_epochs"] == 5
+    assert plan.seeds == [0, 1, 2]
+    assert {e.label for e in plan.scope} == {row.method for row in table.rows if row.algorithm is not None}
+    assert plan_table(paper, table, "regime").scope is None  # the whole table: nothing else to keep
+
+
+def test_rows_refuse_unknown_unimplemented_and_repeated_methods():
+    paper = load_paper("pfedcs")
+    with pytest.raises(ConfigError, match=r"no such row \(did you mean FedFomo\?\)"):
+        plan_table(paper, paper.table("1-cifar10"), "cpu", rows=["FedFom"])
+    with pytest.raises(ConfigError, match="Select None: not implemented"):
+        plan_table(paper, paper.table("3"), "cpu", rows=["FedPer", "Select None"])
+    with pytest.raises(ConfigError, match="named twice"):
+        plan_table(paper, paper.table("1-cifar10"), "cpu", rows=["FedAvg", "FedAvg"])
+
+
+def test_seeds_must_be_positive_before_anything_is_made(tmp_path, capsys):
+    assert main(["reproduce", "pfedcs", "--table", "1-cifar10", "--budget", "regime", "--seeds", "0",
+                 "--out", str(tmp_path / "t"), "data_dir=nowhere"]) == 2
+    assert "--seeds 0: at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_the_heading_names_the_seed_range_when_rows_ran_different_numbers_of_seeds():
+    paper = load_paper("pfedcs")
+    plan = Plan(paper, synthetic_table(), "cpu", paper.budget(paper.table("1-cifar10"), "cpu"), [], [0, 1])
+    two_and_one = [record("A", "M1", 0, 0.8), record("A", "M1", 1, 0.8), record("A", "M2", 0, 0.9)]
+    assert "seeds: 1-2 (per row: the seeds column)" in paper_markdown(plan, paper_table(plan.table, two_and_one))
+    both_two = two_and_one + [record("A", "M2", 1, 0.9)]
+    assert "seeds: 2. " in paper_markdown(plan, paper_table(plan.table, both_two))
+
+
+@needs_dataset("mnist")
+def test_rows_grow_a_reused_table_and_keep_its_other_rows(tmp_path, capsys):
+    """--reuse with --rows Local: Local's committed cells are reused (nothing trains), and the other
+    rows adopted from the committed runs stay in the table. The kept cells are held to what the
+    whole table shares, not to what the Local rows share (Local's rounds differ from the others')."""
+    out = tmp_path / "table"
+    assert main(["reproduce", "pfedpm", "--table", "1-mnist", "--budget", "regime", "--out", str(out), "-q",
+                 "--reuse", str(PFEDPM_RESULTS), "--rows", "Local", f"data_dir={SHARED_DATASETS}"]) == 0
+    log = capsys.readouterr().err
+    assert log.count(" Local seed 0: reused") == 3 and ": ran (" not in log
+    paper = pd.read_csv(out / "paper.csv")
+    ran = paper[paper["status"] == "ran"]
+    assert set(ran["method"]) == {"Local", "FedAvg", "L2GD", "pFedPM"} and len(ran) == 12
+    manifest = json.loads((out / "comparison.json").read_text())
+    assert sum(len(entry["runs"]) for entry in manifest["entries"]) == 12

@@ -88,15 +88,19 @@ def write_manifest(out_dir: Path, records: list[RunRecord], seeds: list[int], ex
 def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], *, quiet: bool = True,
                    extra: dict[str, Any] | None = None,
                    log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
-                   after_each: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
+                   after_each: Callable[[list[RunRecord]], None] | None = None,
+                   scope: list[Entry] | None = None) -> list[RunRecord]:
     """Run (or reuse, or resume) every entry for every seed; returns one record per (entry, seed).
-    `after_each(finished records)` is called after every run: tables that grow as runs finish."""
+    `after_each(finished records)` is called after every run: tables that grow as runs finish.
+    `scope`: every entry of the whole table when `entries` is part of it (reproduce --rows): its
+    cells finished in `out_dir` join the table, and a kept cell must share the settings the whole
+    table shares, not those that only the entries run now happen to share."""
     if not entries or not seeds:
         raise ConfigError("a comparison needs at least one entry and one seed")
     out_dir = Path(out_dir)
     planned = plan_runs(out_dir, entries, seeds)
     earlier = read_manifest(out_dir)
-    kept = finished_cells_kept(out_dir, earlier, planned)
+    kept = finished_cells_kept(out_dir, earlier, planned, plan_runs(out_dir, scope, seeds) if scope else None)
     records = in_table_order(earlier, [record for record, _ in planned] + kept)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_manifest(out_dir, records, sorted({record.seed for record in records}), extra or {})
@@ -112,39 +116,46 @@ def run_comparison(out_dir: str | Path, entries: list[Entry], seeds: list[int], 
     return records
 
 
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A finished run's summary.json (None while the run has not finished)."""
+    summary_file = run_dir / "summary.json"
+    return json.loads(summary_file.read_text()) if summary_file.is_file() else None
+
+
 def read_manifest(out_dir: Path) -> dict[str, Any]:
     """The directory's comparison.json ({} if none yet)."""
     manifest_file = out_dir / MANIFEST
     return json.loads(manifest_file.read_text()) if manifest_file.is_file() else {}
 
 
-def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tuple[RunRecord, Config]]
-                        ) -> list[RunRecord]:
-    """The finished (entry, seed) cells of the `earlier` manifest that this request does not plan,
-    with their summaries: a rerun with a subset of the entries or seeds adds to the table instead
-    of replacing it. Refused (ConfigError naming the keys) when a kept cell differs from this
-    request in a setting all planned runs share (rounds, data, partition...): the table would
-    mix settings."""
-    if not earlier:
-        return []
+def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tuple[RunRecord, Config]],
+                        scope: list[tuple[RunRecord, Config]] | None = None) -> list[RunRecord]:
+    """The finished (entry, seed) cells that this request does not plan, with their summaries: those
+    of the `earlier` manifest and, given a `scope` (plan_runs of the whole table when `planned` is
+    part of it: reproduce --rows), the scope's cells finished in `out_dir` (adopted with --reuse,
+    say). A rerun with a subset of the entries, rows or seeds adds to the table instead of replacing
+    it. Refused (ConfigError naming the keys) when a kept cell differs from this request in a
+    setting all planned runs (with a scope: all the table's runs) share (rounds, data,
+    partition...): the table would mix settings."""
     planned_cells = {(record.entry.group, record.entry.label, record.seed) for record, _ in planned}
-    fixed = shared_settings([config for _, config in planned])
+    fixed = shared_settings([config for _, config in (scope or planned)])
+    candidates = {(item.get("group", ""), item.get("label", ""), int(seed)): out_dir / path
+                  for item in earlier.get("entries", []) for seed, path in item.get("runs", {}).items()}
+    for record, _ in scope or []:
+        candidates.setdefault((record.entry.group, record.entry.label, record.seed), record.run_dir)
     kept = []
-    for item in earlier.get("entries", []):
-        group, label = item.get("group", ""), item.get("label", "")
-        for seed, path in item.get("runs", {}).items():
-            run_dir = out_dir / path
-            if (group, label, int(seed)) in planned_cells or not (run_dir / "summary.json").is_file():
-                continue  # replanned, or never finished (its directory stays, for a later request)
-            config = load_config(run_dir / "config.yaml")
-            stored = flatten(identity(config))
-            changes = changed_keys({key: stored.get(key, MISSING) for key in fixed}, fixed)
-            if changes:
-                raise ConfigError(f"{out_dir}: its finished run {path} was made with other settings "
-                                  f"({describe_changes(changes)}); rerun with those settings to add to its "
-                                  "table, or use another --out directory")
-            entry = Entry(label, config.to_dict(), group)
-            kept.append(RunRecord(entry, int(seed), run_dir, json.loads((run_dir / "summary.json").read_text())))
+    for (group, label, seed), run_dir in candidates.items():
+        summary = read_summary(run_dir)
+        if (group, label, seed) in planned_cells or summary is None:
+            continue  # replanned, or never finished (its directory stays, for a later request)
+        config = load_config(run_dir / "config.yaml")
+        stored = flatten(identity(config))
+        changes = changed_keys({key: stored.get(key, MISSING) for key in fixed}, fixed)
+        if changes:
+            raise ConfigError(f"{out_dir}: its finished run {run_dir.relative_to(out_dir)} was made with other "
+                              f"settings ({describe_changes(changes)}); rerun with those settings to add to its "
+                              "table, or use another --out directory")
+        kept.append(RunRecord(Entry(label, config.to_dict(), group), seed, run_dir, summary))
     return kept
 
 
@@ -185,8 +196,8 @@ def _run_once(run_dir: Path, config: Config, quiet: bool) -> tuple[dict[str, Any
         if changes:
             raise ConfigError(f"{run_dir} was made with other settings ({describe_changes(changes)}); "
                               "use another --out directory or delete that run")
-        if (run_dir / "summary.json").is_file():
-            return json.loads((run_dir / "summary.json").read_text()), "reused"
+        if (summary := read_summary(run_dir)) is not None:
+            return summary, "reused"
         summary, how = run(resume=run_dir, quiet=quiet).summary, "resumed"
     else:
         if run_dir.exists():  # killed before its config was written: nothing in it to keep

@@ -8,7 +8,6 @@ implement keep their line, with the paper's value and "not implemented".
 """
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import textwrap
@@ -23,10 +22,10 @@ from scipy.stats import kendalltau, rankdata
 from pfedkit.algorithms import algorithm_names
 from pfedkit.atomic import atomic_write_text
 from pfedkit.config import Config, deep_merge, parse_overrides
-from pfedkit.core.errors import ConfigError, ConfigWarning
+from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
-                                            run_comparison, write_seed_table)
-from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Table, load_paper
+                                            read_summary, run_comparison, write_seed_table)
+from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Row, Table, load_paper
 from pfedkit.run_identity import describe_changes
 
 NOT_IMPLEMENTED = "not implemented"
@@ -41,30 +40,54 @@ class Plan:
     budget: Budget
     entries: list[Entry]
     seeds: list[int]
+    scope: list[Entry] | None = None  # the whole table's entries at this budget, when `entries` is part of it
 
 
 def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str] | None = None,
-               seeds: int | None = None) -> Plan:
+               seeds: int | None = None, rows: list[str] | None = None) -> Plan:
     """The comparison entries of one table at one budget (implemented rows only); `overrides`
-    (key=value) apply last, e.g. data_dir or backend."""
+    (key=value) apply last, e.g. data_dir or backend. `seeds`: how many (0..seeds-1) instead of the
+    budget's. `rows`: only these methods, in this order (chosen_rows), instead of the budget's."""
     budget = paper.budget(table, budget_name)
     extra = parse_overrides(overrides or [])
     running = {row.algorithm for row in table.rows if row.algorithm is not None}
     warn_unused_sections(extra, running, table.id)
     sections = set(algorithm_names())
-    entries = []
-    for column in table.columns:
-        if budget.columns is not None and column.name not in budget.columns:
-            continue
-        for row in table.rows:
-            # a budget may run only the rows that carry the paper's claim (budget.rows)
-            if row.algorithm is not None and (budget.rows is None or row.method in budget.rows):
-                # an override's algorithm section applies to that algorithm's rows only
-                own = {key: value for key, value in extra.items() if key not in sections - {row.algorithm}}
-                config = deep_merge(paper.cell_config(table, column, row, budget), own)
-                entries.append(Entry(row.method, config, group=column.name))
+
+    def entries(chosen: list[Row]) -> list[Entry]:
+        found = []
+        for column in table.columns:
+            if budget.columns is not None and column.name not in budget.columns:
+                continue
+            for row in chosen:
+                if row.algorithm is not None:
+                    # an override's algorithm section applies to that algorithm's rows only
+                    own = {key: value for key, value in extra.items() if key not in sections - {row.algorithm}}
+                    config = deep_merge(paper.cell_config(table, column, row, budget), own)
+                    found.append(Entry(row.method, config, group=column.name))
+        return found
+
     count = seeds or budget.seeds or table.seeds
-    return Plan(paper, table, budget_name, budget, entries, list(range(count)))
+    return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows)), list(range(count)),
+                scope=None if rows is None else entries(table.rows))
+
+
+def chosen_rows(table: Table, budget: Budget, methods: list[str] | None) -> list[Row]:
+    """The rows a plan runs: by default the table's, or the budget's (a budget may run only the
+    rows that carry the paper's claim); `methods` (`--rows`) names them, in the order to run, any
+    row of the table included (a row the budget leaves out runs at the budget's settings)."""
+    if methods is None:
+        return [row for row in table.rows if budget.rows is None or row.method in budget.rows]
+    by_name = {row.method: row for row in table.rows}
+    for method in methods:
+        if method not in by_name:
+            raise ConfigError(f"--rows {method}: table {table.id} has no such row"
+                              f"{did_you_mean(method, by_name)}; its rows: {', '.join(by_name)}")
+        if by_name[method].algorithm is None:
+            raise ConfigError(f"--rows {method}: {NOT_IMPLEMENTED} in pfedkit, so it cannot run")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"--rows {','.join(methods)}: a row named twice")
+    return [by_name[method] for method in methods]
 
 
 def warn_unused_sections(overrides: dict, running: set[str], table_id: str) -> None:
@@ -84,7 +107,7 @@ def run_plan(plan: Plan, out_dir: Path, quiet: bool = True) -> pd.DataFrame:
     """Run the plan's comparison and write table.csv/.md (all numbers) and paper.csv/.md (beside
     the paper), rewritten after every run so an interrupted table shows what finished; returns
     the paper table."""
-    records = run_comparison(out_dir, plan.entries, plan.seeds, quiet=quiet,
+    records = run_comparison(out_dir, plan.entries, plan.seeds, quiet=quiet, scope=plan.scope,
                              after_each=lambda finished: write_tables(plan, out_dir, finished), extra={
         "kind": "reproduce", "paper": plan.paper.paper, "table": plan.table.id, "budget": plan.budget_name,
         "reduced": plan.budget.reduced, "source": plan.table.source, "caption": plan.table.caption})
@@ -110,12 +133,14 @@ def write_finished(plan: Plan, out_dir: Path, planned: list[tuple[RunRecord, Con
     """`--table-only`: the tables of the plan's `planned` runs (plan_runs) already finished in
     `out_dir`; runs nothing (a table still running elsewhere, or one started from `--reuse`,
     shown as it stands)."""
-    records = [record for record, _ in planned if (record.run_dir / "summary.json").is_file()]
+    records = []
+    for record, _ in planned:
+        if (summary := read_summary(record.run_dir)) is not None:
+            record.summary = summary
+            records.append(record)
     if not records:
         raise ConfigError(f"--table-only: no finished run of {plan.paper.paper} table {plan.table.id} at budget "
                           f"{plan.budget_name} in {out_dir / 'runs'}; run the table first, or add --reuse DIR")
-    for record in records:
-        record.summary = json.loads((record.run_dir / "summary.json").read_text())
     out_dir.mkdir(parents=True, exist_ok=True)
     return write_tables(plan, out_dir, records)
 
@@ -201,12 +226,20 @@ def _steps(line: pd.Series) -> str:
     return f"{line['steps']:.0f} ({line['steps_min']:.0f}-{line['steps_max']:.0f})"
 
 
+def _seed_counts(plan: Plan, result: pd.DataFrame) -> str:
+    """`2`, or `1-2 (per row: the seeds column)` where the rows that ran have different numbers of
+    seeds (a table grown with --rows and --seeds)."""
+    counts = result.loc[result["status"] == "ran", "seeds"]
+    low, high = (int(counts.min()), int(counts.max())) if len(counts) else (len(plan.seeds), len(plan.seeds))
+    return str(high) if low == high else f"{low}-{high} (per row: the seeds column)"
+
+
 def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
     """Markdown: a heading with the source and budget, then one table per column."""
     table = plan.table
     parts = [f"## {plan.paper.paper} {table.id}: {table.caption}",
              f"Source: {table.source}. Budget: {plan.budget_name} ({plan.budget.reduced or 'no reduction'}); "
-             f"seeds: {len(plan.seeds)}. Metric: {table.metric} in % (paper's ± is over {table.spread}; "
+             f"seeds: {_seed_counts(plan, result)}. Metric: {table.metric} in % (paper's ± is over {table.spread}; "
              + ("ours is the std over clients at the last evaluation, mean over seeds). " if table.spread == "clients"
                 else "ours is over seeds, ddof=0). ") + "diff = ours - paper in points; `order` marks a method whose rank "
              "among the methods with both numbers differs from the paper's; steps a round: local SGD steps of a "
@@ -337,13 +370,17 @@ def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], o
 
 def reproduce(name: str, table_ids: list[str] | None, budget_name: str, overrides: list[str] | None = None,
               out: str | None = None, quiet: bool = True, reuse: str | None = None,
-              table_only: bool = False) -> list[tuple[Path, pd.DataFrame]]:
+              table_only: bool = False, seeds: int | None = None,
+              rows: list[str] | None = None) -> list[tuple[Path, pd.DataFrame]]:
     """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each.
     `reuse`: a directory of finished runs of the (single) table to start from (adopt_finished_runs).
-    `table_only`: write the tables of the runs already finished, run nothing."""
+    `table_only`: write the tables of the runs already finished, run nothing. `seeds`, `rows`:
+    plan_table's (seeds 0..seeds-1; only these rows, in this order)."""
     paper = load_paper(name)
     tables = [paper.table(t) for t in table_ids] if table_ids else paper.tables
-    plans = [plan_table(paper, table, budget_name, overrides) for table in tables]
+    if seeds is not None and seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: at least 1")
+    plans = [plan_table(paper, table, budget_name, overrides, seeds, rows) for table in tables]
     out_root = parse_overrides(overrides or []).get("out_dir", "runs")
     outs = [Path(out) / plan.table.id if out and len(plans) > 1 else Path(out) if out
             else default_out(paper, plan.table, budget_name, out_root) for plan in plans]
@@ -353,8 +390,9 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
         raise ConfigError(f"--reuse {reuse}: not a directory")
     for plan in plans if not table_only else []:  # a missing dataset stops the command before any directory is made
         check_data(plan)
-    # every cell of every table validated before the first run
-    planned = [plan_runs(out_dir, plan.entries, plan.seeds) for plan, out_dir in zip(plans, outs)]
+    # every cell of every table validated before the first run; --reuse and --table-only take the
+    # whole table's cells (plan.scope) where --rows runs only some of them
+    planned = [plan_runs(out_dir, plan.scope or plan.entries, plan.seeds) for plan, out_dir in zip(plans, outs)]
     if reuse is not None:
         for run_name, what in adopt_finished_runs(Path(reuse), planned[0], outs[0]).items():
             print(f"--reuse {run_name}: {what}", file=sys.stderr)
