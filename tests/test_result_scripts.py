@@ -76,3 +76,19 @@ def test_grid_picks_each_columns_best_a_and_the_smaller_a_on_a_tie():
     text = grid.grid_markdown(table)  # without pandas' optional tabulate
     assert text.splitlines()[0] == "| a | n=3 | n=4 |" and "| 0.4 | 95.00 | 93.00 |" in text
     assert "| 0.6 | 95.00 | - |" in text  # n=4 did not run a = 0.6
+
+
+def test_per_round_curves_take_the_unweighted_mean_over_clients(tmp_path):
+    curves = load_script("per_round_curves")
+    rows = [  # client 0: 10 test samples, client 1: 90; round 2 evaluated only as far as client 0
+        {"round": 1, "client": 0, "n_test": 10, "correct": 5, "accuracy": 0.5, "balanced_acc": 0.4, "loss": 1.0},
+        {"round": 1, "client": 1, "n_test": 90, "correct": 81, "accuracy": 0.9, "balanced_acc": 0.8, "loss": 1.0},
+        {"round": 2, "client": 0, "n_test": 10, "correct": 7, "accuracy": 0.7, "balanced_acc": 0.6, "loss": 1.0}]
+    (tmp_path / "a").mkdir()
+    pd.DataFrame(rows).to_csv(tmp_path / "a" / "metrics.csv", index=False)
+    frame = curves.curves(curves.parse([f"A={tmp_path / 'a'}"]))
+    assert list(frame["method"]) == ["A", "A"] and list(frame["round"]) == [1, 2]
+    assert frame["accuracy"].tolist() == pytest.approx([0.7, 0.7])  # (0.5 + 0.9) / 2, not (5 + 81) / 100
+    assert frame["balanced_acc"].tolist() == pytest.approx([0.6, 0.6])
+    with pytest.raises(SystemExit, match="LABEL=RUN_DIR"):
+        curves.parse([str(tmp_path / "a")])
