@@ -422,3 +422,18 @@ def test_rows_grow_a_reused_table_and_keep_its_other_rows(tmp_path, capsys):
     assert set(ran["method"]) == {"Local", "FedAvg", "L2GD", "pFedPM"} and len(ran) == 12
     manifest = json.loads((out / "comparison.json").read_text())
     assert sum(len(entry["runs"]) for entry in manifest["entries"]) == 12
+
+
+@needs_dataset("mnist")
+def test_rows_refuse_a_kept_cell_made_with_other_options_of_its_algorithm(tmp_path, capsys):
+    """A finished cell of the table in the directory that is not the table's run of it (here
+    pFedPM with another mixing weight a) is refused by name, not shown beside the others."""
+    source, out = tmp_path / "source", tmp_path / "table"
+    shutil.copytree(PFEDPM_RESULTS, source)
+    config_file = source / "n_3-pFedPM-s0" / "config.yaml"
+    config_file.write_text(config_file.read_text().replace("\n  a: 0.6\n", "\n  a: 0.9\n"))
+    shutil.copytree(source, out / "runs", ignore=shutil.ignore_patterns("*.md"))  # as if run here earlier
+    assert main(["reproduce", "pfedpm", "--table", "1-mnist", "--budget", "regime", "--out", str(out), "-q",
+                 "--rows", "Local", f"data_dir={SHARED_DATASETS}"]) == 2
+    err = capsys.readouterr().err
+    assert "n_3-pFedPM-s0 was made with other settings" in err and "pfedpm.a" in err

@@ -136,13 +136,17 @@ def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tu
     say). A rerun with a subset of the entries, rows or seeds adds to the table instead of replacing
     it. Refused (ConfigError naming the keys) when a kept cell differs from this request in a
     setting all planned runs (with a scope: all the table's runs) share (rounds, data,
-    partition...): the table would mix settings."""
+    partition...), or a cell of the scope in anything from the scope's run of it (its algorithm's
+    options included): the table would mix settings."""
     planned_cells = {(record.entry.group, record.entry.label, record.seed) for record, _ in planned}
     fixed = shared_settings([config for _, config in (scope or planned)])
     candidates = {(item.get("group", ""), item.get("label", ""), int(seed)): out_dir / path
                   for item in earlier.get("entries", []) for seed, path in item.get("runs", {}).items()}
-    for record, _ in scope or []:
-        candidates.setdefault((record.entry.group, record.entry.label, record.seed), record.run_dir)
+    expected = {}  # a cell of the scope must be the scope's run of it, every setting included
+    for record, config in scope or []:
+        cell = (record.entry.group, record.entry.label, record.seed)
+        candidates.setdefault(cell, record.run_dir)
+        expected[cell] = config
     kept = []
     for (group, label, seed), run_dir in candidates.items():
         summary = read_summary(run_dir)
@@ -151,6 +155,8 @@ def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tu
         config = load_config(run_dir / "config.yaml")
         stored = flatten(identity(config))
         changes = changed_keys({key: stored.get(key, MISSING) for key in fixed}, fixed)
+        if not changes and (group, label, seed) in expected:
+            changes = changes_from_stored(run_dir, expected[(group, label, seed)])
         if changes:
             raise ConfigError(f"{out_dir}: its finished run {run_dir.relative_to(out_dir)} was made with other "
                               f"settings ({describe_changes(changes)}); rerun with those settings to add to its "
