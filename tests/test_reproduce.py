@@ -347,11 +347,14 @@ def test_table_only_writes_the_committed_table_without_data_or_runs(tmp_path, ca
     source, out = tmp_path / "source", tmp_path / "table"
     shutil.copytree(REGIME_RESULTS, source)
     shutil.rmtree(source / "MNIST-Local-s0")  # a row not finished yet
+    # --seeds 2: the committed second seeds of some rows are cells of the table too
     assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(out),
-                 "--reuse", str(source), "--table-only", "data_dir=nowhere"]) == 0
+                 "--reuse", str(source), "--table-only", "--seeds", "2", "data_dir=nowhere"]) == 0
     paper = pd.read_csv(out / "paper.csv").set_index("method")
-    stored = json.loads((source / "MNIST-FedReMa-s0" / "summary.json").read_text())
-    assert paper.loc["FedReMa", "ours"] == pytest.approx(100 * stored[paper.loc["FedReMa", "metric"]])
+    stored = [json.loads(run.joinpath("summary.json").read_text()) for run in sorted(source.glob("MNIST-FedReMa-s*"))]
+    assert len(stored) == paper.loc["FedReMa", "seeds"] == 2  # the mean over the committed seeds
+    assert paper.loc["FedReMa", "ours"] == pytest.approx(
+        100 * np.mean([summary[paper.loc["FedReMa", "metric"]] for summary in stored]))
     assert paper.loc["Local", "status"] == "pending"  # its run is not among the given ones
     assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
         p.name for p in source.iterdir() if (p / "summary.json").is_file())
