@@ -153,10 +153,11 @@ def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tu
         if (group, label, seed) in planned_cells or summary is None:
             continue  # replanned, or never finished (its directory stays, for a later request)
         config = load_config(run_dir / "config.yaml")
-        stored = flatten(identity(config))
+        stored_identity = identity(config)
+        stored = flatten(stored_identity)
         changes = changed_keys({key: stored.get(key, MISSING) for key in fixed}, fixed)
-        if not changes and (group, label, seed) in expected:
-            changes = changes_from_stored(run_dir, expected[(group, label, seed)])
+        if not changes and (group, label, seed) in expected:  # the config read above, not a second read
+            changes = changed_keys(stored_identity, identity(expected[(group, label, seed)]))
         if changes:
             raise ConfigError(f"{out_dir}: its finished run {run_dir.relative_to(out_dir)} was made with other "
                               f"settings ({describe_changes(changes)}); rerun with those settings to add to its "
