@@ -410,6 +410,22 @@ def test_the_heading_names_the_seed_range_when_rows_ran_different_numbers_of_see
     assert "seeds: 2. " in paper_markdown(plan, paper_table(plan.table, both_two))
 
 
+def test_the_heading_names_the_overrides_that_change_what_the_runs_compute():
+    """A table made with `num_clients=20` is not the budget's table: its heading says so; where
+    the data lie or how the runs execute (data_dir, backend, workers) changes no number, so it is not named."""
+    paper = load_paper("cwfedavg")
+    table = paper.table("1-mnist")
+    changed = plan_table(paper, table, "regime", ["num_clients=20", "partition.pool_fraction=1.0",
+                                                  "data_dir=nowhere", "backend=sequential", "workers=1"])
+    assert changed.changed == ("num_clients=20", "partition.pool_fraction=1.0")
+    assert {e.config["num_clients"] for e in changed.entries} == {20}
+    text = paper_markdown(changed, paper_table(table, []))
+    assert "changed by the overrides num_clients=20 partition.pool_fraction=1.0; seeds:" in text
+    assert "data_dir" not in text and "backend" not in text
+    plain = plan_table(paper, table, "regime", ["data_dir=nowhere", "threads=2"])
+    assert plain.changed == () and "overrides" not in paper_markdown(plain, paper_table(table, []))
+
+
 @needs_dataset("mnist")
 def test_rows_grow_a_reused_table_and_keep_its_other_rows(tmp_path, capsys):
     """--reuse with --rows Local: Local's committed cells are reused (nothing trains), and the other

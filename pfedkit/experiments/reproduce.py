@@ -26,7 +26,7 @@ from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
                                             read_summary, run_comparison, write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Row, Table, load_paper
-from pfedkit.run_identity import describe_changes
+from pfedkit.run_identity import EXECUTION_KEYS, describe_changes
 
 NOT_IMPLEMENTED = "not implemented"
 CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
@@ -41,6 +41,7 @@ class Plan:
     entries: list[Entry]
     seeds: list[int]
     scope: list[Entry] | None = None  # the whole table's entries at this budget, when `entries` is part of it
+    changed: tuple[str, ...] = ()  # the key=value overrides that change what the runs compute (heading)
 
 
 def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str] | None = None,
@@ -69,7 +70,13 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
 
     count = seeds or budget.seeds or table.seeds
     return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows)), list(range(count)),
-                scope=None if rows is None else entries(table.rows))
+                scope=None if rows is None else entries(table.rows), changed=computing_overrides(overrides or []))
+
+
+def computing_overrides(overrides: list[str]) -> tuple[str, ...]:
+    """The overrides that change what a run computes (not data_dir, backend, workers...): a
+    table made with them is not the budget's table, so its heading names them."""
+    return tuple(item for item in overrides if item.split("=", 1)[0].split(".", 1)[0] not in EXECUTION_KEYS)
 
 
 def chosen_rows(table: Table, budget: Budget, methods: list[str] | None) -> list[Row]:
@@ -238,7 +245,8 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
     """Markdown: a heading with the source and budget, then one table per column."""
     table = plan.table
     parts = [f"## {plan.paper.paper} {table.id}: {table.caption}",
-             f"Source: {table.source}. Budget: {plan.budget_name} ({plan.budget.reduced or 'no reduction'}); "
+             f"Source: {table.source}. Budget: {plan.budget_name} ({plan.budget.reduced or 'no reduction'})"
+             + (f", changed by the overrides {' '.join(plan.changed)}" if plan.changed else "") + "; "
              f"seeds: {_seed_counts(plan, result)}. Metric: {table.metric} in % (paper's ± is over {table.spread}; "
              + ("ours is the std over clients at the last evaluation, mean over seeds). " if table.spread == "clients"
                 else "ours is over seeds, ddof=0). ") + "diff = ours - paper in points; `order` marks a method whose rank "
