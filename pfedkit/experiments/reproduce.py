@@ -26,7 +26,7 @@ from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
                                             read_summary, run_comparison, write_seed_table)
 from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Row, Table, load_paper
-from pfedkit.run_identity import EXECUTION_KEYS, describe_changes
+from pfedkit.run_identity import EXECUTION_KEYS, describe_changes, flatten
 
 NOT_IMPLEMENTED = "not implemented"
 CLIENT_SPREAD = "final_acc_std"  # std of the clients' accuracies at the last evaluation
@@ -70,13 +70,15 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
 
     count = seeds or budget.seeds or table.seeds
     return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows)), list(range(count)),
-                scope=None if rows is None else entries(table.rows), changed=computing_overrides(overrides or []))
+                scope=None if rows is None else entries(table.rows), changed=computing_overrides(extra))
 
 
-def computing_overrides(overrides: list[str]) -> tuple[str, ...]:
-    """The overrides that change what a run computes (not data_dir, backend, workers...): a
-    table made with them is not the budget's table, so its heading names them."""
-    return tuple(item for item in overrides if item.split("=", 1)[0].split(".", 1)[0] not in EXECUTION_KEYS)
+def computing_overrides(extra: dict) -> tuple[str, ...]:
+    """The parsed overrides (`parse_overrides`) that change what a run computes, as `key=value`
+    (not data_dir, backend, workers...): a table made with them is not the budget's table, so its
+    heading names them."""
+    computing = {key: value for key, value in extra.items() if key not in EXECUTION_KEYS}
+    return tuple(f"{key}={value}" for key, value in flatten(computing).items())
 
 
 def chosen_rows(table: Table, budget: Budget, methods: list[str] | None) -> list[Row]:
