@@ -219,8 +219,10 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
             if report.acc_weighted is not None:
                 bar.set_postfix(acc=f"{report.acc_weighted:.4f}")
             bar.update(1)
-            if state.round % config.checkpoint_every == 0 or state.round == config.rounds:
-                save_progress(run_dir, state, checkpoint=context.resumable)
+            # Metrics every round (a kill loses no finished round's numbers); the checkpoint, the
+            # costly part, every `checkpoint_every` rounds (a resume repeats the rounds after it).
+            due = state.round % config.checkpoint_every == 0 or state.round == config.rounds
+            save_progress(run_dir, state, checkpoint=context.resumable and due)
     finally:
         bar.close()
         context.runtime.close()

@@ -91,6 +91,29 @@ def test_resume_accepts_edited_execution_keys_and_ends_as_uninterrupted(small_co
     pd.testing.assert_frame_equal(resumed.metrics, reference.metrics)
 
 
+def test_a_run_killed_between_checkpoints_keeps_every_finished_rounds_metrics(small_config, monkeypatch, tmp_path):
+    """metrics.csv follows every round; the checkpoint only every `checkpoint_every` rounds, and a
+    resume from it repeats the rounds after it to the same numbers."""
+    config = {**small_config, "rounds": 4, "checkpoint_every": 3}
+    reference = pfedkit.run({**config, "out_dir": str(tmp_path / "reference")})
+    original = Simulation.run_round
+
+    def crash_in_round_three(self, state):
+        if state.round == 2:
+            raise KeyboardInterrupt
+        return original(self, state)
+
+    monkeypatch.setattr(Simulation, "run_round", crash_in_round_three)
+    with pytest.raises(KeyboardInterrupt):
+        pfedkit.run(config)
+    monkeypatch.setattr(Simulation, "run_round", original)
+    (run_dir,) = Path(config["out_dir"]).iterdir()
+    assert sorted(pd.read_csv(run_dir / "metrics.csv")["round"].unique()) == [1, 2]
+    assert not (run_dir / runs.CHECKPOINT).exists()  # round 3 was the first due
+    resumed = pfedkit.run(resume=run_dir)
+    pd.testing.assert_frame_equal(resumed.metrics, reference.metrics)
+
+
 # ---- run directories ---------------------------------------------------------------------------
 
 class FrozenClock(datetime):
