@@ -48,12 +48,12 @@ def one_line_error(capsys) -> str:
 
 # ---- resume ----------------------------------------------------------------------------------
 
-def killed_after_round_one(config: dict, monkeypatch) -> Path:
-    """A run of `config` killed after its first round; returns its run directory."""
+def killed_after_rounds(config: dict, monkeypatch, rounds_done: int = 1) -> Path:
+    """A run of `config` killed after `rounds_done` rounds; returns its run directory."""
     original = Simulation.run_round
 
     def crash(self, state):
-        if state.round == 1:
+        if state.round == rounds_done:
             raise KeyboardInterrupt
         return original(self, state)
 
@@ -72,7 +72,7 @@ def edit_config_file(run_dir: Path, **changes) -> None:
 
 
 def test_resume_refuses_a_config_edited_in_what_changes_numbers(small_config, monkeypatch, capsys):
-    run_dir = killed_after_round_one(small_config, monkeypatch)
+    run_dir = killed_after_rounds(small_config, monkeypatch)
     metrics_before = (run_dir / "metrics.csv").read_bytes()
     edit_config_file(run_dir, lr=0.1, seed=4)
     assert main(["run", "--resume", str(run_dir)]) == EXIT_BAD_INPUT
@@ -84,7 +84,7 @@ def test_resume_refuses_a_config_edited_in_what_changes_numbers(small_config, mo
 
 def test_resume_accepts_edited_execution_keys_and_ends_as_uninterrupted(small_config, monkeypatch, tmp_path):
     reference = pfedkit.run({**small_config, "out_dir": str(tmp_path / "reference")})
-    run_dir = killed_after_round_one(small_config, monkeypatch)
+    run_dir = killed_after_rounds(small_config, monkeypatch)
     edit_config_file(run_dir, checkpoint_every=2, name="renamed")  # where and how often it saves, not what
     resumed = pfedkit.run(resume=run_dir)
     assert resumed.summary["rounds_done"] == small_config["rounds"]
@@ -96,18 +96,7 @@ def test_a_run_killed_between_checkpoints_keeps_every_finished_rounds_metrics(sm
     resume from it repeats the rounds after it to the same numbers."""
     config = {**small_config, "rounds": 4, "checkpoint_every": 3}
     reference = pfedkit.run({**config, "out_dir": str(tmp_path / "reference")})
-    original = Simulation.run_round
-
-    def crash_in_round_three(self, state):
-        if state.round == 2:
-            raise KeyboardInterrupt
-        return original(self, state)
-
-    monkeypatch.setattr(Simulation, "run_round", crash_in_round_three)
-    with pytest.raises(KeyboardInterrupt):
-        pfedkit.run(config)
-    monkeypatch.setattr(Simulation, "run_round", original)
-    (run_dir,) = Path(config["out_dir"]).iterdir()
+    run_dir = killed_after_rounds(config, monkeypatch, rounds_done=2)
     assert sorted(pd.read_csv(run_dir / "metrics.csv")["round"].unique()) == [1, 2]
     assert not (run_dir / runs.CHECKPOINT).exists()  # round 3 was the first due
     resumed = pfedkit.run(resume=run_dir)
