@@ -153,6 +153,14 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 COMPACT = ("best", "last5", "best_unweighted", "last5_unweighted", "worst_client", "MB_per_round", "s_per_round")
 
 
+def column_positions(text: str) -> list[int]:
+    """`--columns 2,1` as [2, 1]; ConfigError (one line) for a part that is not a column number."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"--columns {text}: column numbers as --list shows them, comma-separated (e.g. 2 or 1,2)")
+    return [int(part) for part in parts]
+
+
 def cmd_reproduce(ns: argparse.Namespace) -> int:
     from pfedkit.config import parse_overrides
     from pfedkit.experiments.paper_presets import PAPERS, load_paper
@@ -168,8 +176,10 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
     rows = [r.strip() for r in ns.rows.split(",") if r.strip()] if ns.rows else None
+    columns = column_positions(ns.columns) if ns.columns else None
     for out_dir, _ in reproduce(ns.paper, tables, ns.budget, ns.overrides, out=ns.out, quiet=ns.quiet,
-                                 reuse=ns.reuse, table_only=ns.table_only, seeds=ns.seeds, rows=rows):
+                                 reuse=ns.reuse, table_only=ns.table_only, seeds=ns.seeds, rows=rows,
+                                 columns=columns):
         print((out_dir / "paper.md").read_text())
         print(f"directory: {out_dir} (paper.md/.csv beside the paper; table.md/.csv every number)")
     return 0
@@ -353,6 +363,9 @@ def _add_reproduce(sub) -> None:
     p_rep.add_argument("--rows", help="run only these methods, comma-separated, in this order (names as in --list; "
                        "a row the budget leaves out runs at the budget's settings); the table keeps the rows "
                        "finished earlier in its directory")
+    p_rep.add_argument("--columns", metavar="N,N", help="run only these columns, by their number in --list "
+                       "(1 = the first), comma-separated, in this order (a column the budget leaves out runs at "
+                       "the budget's settings); the table keeps the cells finished earlier in its directory")
     p_rep.add_argument("--seeds", type=int, metavar="N", help="seeds 0..N-1 instead of the budget's (finished "
                        "seeds are reused: --seeds 2 after a 1-seed table runs seed 1 only)")
     p_rep.add_argument("--out", help="directory (default OUT_DIR/reproduce/PAPER-TABLE-BUDGET: reruns resume)")

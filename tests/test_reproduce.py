@@ -394,6 +394,44 @@ def test_rows_refuse_unknown_unimplemented_and_repeated_methods():
         plan_table(paper, paper.table("1-cifar10"), "cpu", rows=["FedAvg", "FedAvg"])
 
 
+def test_columns_choose_the_cells_and_their_order_and_keep_the_table_in_scope():
+    paper = load_paper("dapfl")
+    table = paper.table("1")
+    budget_columns = paper.budget(table, "regime").columns
+    plan = plan_table(paper, table, "regime", rows=["FedSoft", "FedAMP"], columns=[2])
+    assert [(e.group, e.label) for e in plan.entries] == [(table.columns[1].name, "FedSoft"),
+                                                          (table.columns[1].name, "FedAMP")]
+    assert [e.config["partition"]["alpha"] for e in plan.entries] == [0.5, 0.5]
+    # the scope: every row in the budget's columns, so --reuse and --table-only keep the other cells
+    assert {e.group for e in plan.scope} == set(budget_columns)
+    assert {e.label for e in plan.scope} == {row.method for row in table.rows if row.algorithm is not None}
+    both = plan_table(paper, table, "regime", rows=["DA-PFL"], columns=[2, 1])
+    assert [e.group for e in both.entries] == [table.columns[1].name, table.columns[0].name]
+    # a column the budget leaves out runs at the budget's settings, and joins the scope
+    outside = plan_table(paper, table, "regime", rows=["DA-PFL"], columns=[3])
+    (entry,) = outside.entries
+    assert entry.config["num_clients"] == 100 and entry.config["rounds"] == plan.entries[0].config["rounds"]
+    assert {e.group for e in outside.scope} == {*budget_columns, table.columns[2].name}
+    alone = plan_table(paper, table, "regime", columns=[1])  # the budget's rows, one column
+    assert {e.label for e in alone.entries} == set(paper.budget(table, "regime").rows)
+    assert alone.scope is not None
+
+
+def test_columns_refuse_numbers_outside_the_table_repeats_and_words(tmp_path, capsys):
+    paper = load_paper("dapfl")
+    with pytest.raises(ConfigError, match=r"--columns 5: table 1 has columns 1-4: 1 = 20 clients"):
+        plan_table(paper, paper.table("1"), "regime", columns=[5])
+    with pytest.raises(ConfigError, match="named twice"):
+        plan_table(paper, paper.table("1"), "regime", columns=[1, 1])
+    assert main(["reproduce", "dapfl", "--table", "1", "--budget", "regime", "--columns", "alpha=0.5",
+                 "--out", str(tmp_path / "t"), "data_dir=nowhere"]) == 2
+    assert "column numbers as --list shows them" in capsys.readouterr().err
+    assert main(["reproduce", "dapfl", "--budget", "regime", "--columns", "2", "--out", str(tmp_path / "t"),
+                 "data_dir=nowhere"]) == 2
+    assert "name a single --table" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
 def test_seeds_must_be_positive_before_anything_is_made(tmp_path, capsys):
     assert main(["reproduce", "pfedcs", "--table", "1-cifar10", "--budget", "regime", "--seeds", "0",
                  "--out", str(tmp_path / "t"), "data_dir=nowhere"]) == 2

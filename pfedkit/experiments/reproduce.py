@@ -25,7 +25,7 @@ from pfedkit.config import Config, deep_merge, parse_overrides
 from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
                                             read_summary, run_comparison, write_seed_table)
-from pfedkit.experiments.paper_presets import PAPERS, Budget, Paper, Row, Table, load_paper
+from pfedkit.experiments.paper_presets import PAPERS, Budget, Column, Paper, Row, Table, load_paper
 from pfedkit.run_identity import EXECUTION_KEYS, describe_changes, flatten
 
 NOT_IMPLEMENTED = "not implemented"
@@ -45,21 +45,20 @@ class Plan:
 
 
 def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str] | None = None,
-               seeds: int | None = None, rows: list[str] | None = None) -> Plan:
+               seeds: int | None = None, rows: list[str] | None = None, columns: list[int] | None = None) -> Plan:
     """The comparison entries of one table at one budget (implemented rows only); `overrides`
     (key=value) apply last, e.g. data_dir or backend. `seeds`: how many (0..seeds-1) instead of the
-    budget's. `rows`: only these methods, in this order (chosen_rows), instead of the budget's."""
+    budget's. `rows`: only these methods, in this order (chosen_rows), instead of the budget's;
+    `columns`: only these columns (1-based positions), in this order (chosen_columns)."""
     budget = paper.budget(table, budget_name)
     extra = parse_overrides(overrides or [])
     running = {row.algorithm for row in table.rows if row.algorithm is not None}
     warn_unused_sections(extra, running, table.id)
     sections = set(algorithm_names())
 
-    def entries(chosen: list[Row]) -> list[Entry]:
+    def entries(chosen: list[Row], chosen_columns: list[Column]) -> list[Entry]:
         found = []
-        for column in table.columns:
-            if budget.columns is not None and column.name not in budget.columns:
-                continue
+        for column in chosen_columns:
             for row in chosen:
                 if row.algorithm is not None:
                     # an override's algorithm section applies to that algorithm's rows only
@@ -69,8 +68,14 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
         return found
 
     count = seeds or budget.seeds or table.seeds
-    return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows)), list(range(count)),
-                scope=None if rows is None else entries(table.rows), changed=computing_overrides(extra))
+    run_columns = chosen_columns(table, budget, columns)
+    # a part of the table (--rows, --columns) keeps the table's other cells: every row, in the
+    # budget's columns and the ones named
+    scope_columns = [c for c in table.columns if c in chosen_columns(table, budget, None) or c in run_columns]
+    partial = rows is not None or columns is not None
+    return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows), run_columns),
+                list(range(count)), scope=entries(table.rows, scope_columns) if partial else None,
+                changed=computing_overrides(extra))
 
 
 def computing_overrides(extra: dict) -> tuple[str, ...]:
@@ -97,6 +102,22 @@ def chosen_rows(table: Table, budget: Budget, methods: list[str] | None) -> list
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--rows {','.join(methods)}: a row named twice")
     return [by_name[method] for method in methods]
+
+
+def chosen_columns(table: Table, budget: Budget, positions: list[int] | None) -> list[Column]:
+    """The columns a plan runs: by default the table's, or the budget's; `positions` (`--columns`,
+    1 = the table's first column, as `--list` numbers them) names them, in the order to run, any
+    column of the table included (one the budget leaves out runs at the budget's settings)."""
+    if positions is None:
+        return [column for column in table.columns if budget.columns is None or column.name in budget.columns]
+    count = len(table.columns)
+    for position in positions:
+        if not 1 <= position <= count:
+            raise ConfigError(f"--columns {position}: table {table.id} has columns 1-{count}: "
+                              + "; ".join(f"{i} = {c.name}" for i, c in enumerate(table.columns, 1)))
+    if len(set(positions)) != len(positions):
+        raise ConfigError(f"--columns {','.join(map(str, positions))}: a column named twice")
+    return [table.columns[position - 1] for position in positions]
 
 
 def warn_unused_sections(overrides: dict, running: set[str], table_id: str) -> None:
@@ -330,7 +351,8 @@ def list_paper(paper: Paper, data_dir: str | None = None) -> str:
         missing = [row.method for row in table.rows if row.algorithm is None]
         lines.append(f"  --table {table.id}: {table.source}; {table.caption}")
         lines.append(f"      {data_status(paper, table, data_dir)}")
-        lines.append(f"      columns: {', '.join(c.name for c in table.columns)}; metric {table.metric}; "
+        lines.append(f"      columns: {'; '.join(f'{i} = {c.name}' for i, c in enumerate(table.columns, 1))}; "
+                     f"metric {table.metric}; "
                      f"paper seeds {table.seeds}")
         lines.append(f"      rows: {', '.join(row.method for row in table.rows)}"
                      + (f" (not implemented: {', '.join(missing)})" if missing else ""))
@@ -381,16 +403,18 @@ def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], o
 def reproduce(name: str, table_ids: list[str] | None, budget_name: str, overrides: list[str] | None = None,
               out: str | None = None, quiet: bool = True, reuse: str | None = None,
               table_only: bool = False, seeds: int | None = None,
-              rows: list[str] | None = None) -> list[tuple[Path, pd.DataFrame]]:
+              rows: list[str] | None = None, columns: list[int] | None = None) -> list[tuple[Path, pd.DataFrame]]:
     """Run the chosen tables (default: all) of paper `name`; returns (directory, paper table) each.
     `reuse`: a directory of finished runs of the (single) table to start from (adopt_finished_runs).
-    `table_only`: write the tables of the runs already finished, run nothing. `seeds`, `rows`:
-    plan_table's (seeds 0..seeds-1; only these rows, in this order)."""
+    `table_only`: write the tables of the runs already finished, run nothing. `seeds`, `rows`,
+    `columns`: plan_table's (seeds 0..seeds-1; only these rows, these columns, in this order)."""
     paper = load_paper(name)
     tables = [paper.table(t) for t in table_ids] if table_ids else paper.tables
     if seeds is not None and seeds < 1:
         raise ConfigError(f"--seeds {seeds}: at least 1")
-    plans = [plan_table(paper, table, budget_name, overrides, seeds, rows) for table in tables]
+    if columns is not None and len(tables) != 1:
+        raise ConfigError("--columns picks columns of one table: name a single --table")
+    plans = [plan_table(paper, table, budget_name, overrides, seeds, rows, columns) for table in tables]
     out_root = parse_overrides(overrides or []).get("out_dir", "runs")
     outs = [Path(out) / plan.table.id if out and len(plans) > 1 else Path(out) if out
             else default_out(paper, plan.table, budget_name, out_root) for plan in plans]
@@ -401,7 +425,7 @@ def reproduce(name: str, table_ids: list[str] | None, budget_name: str, override
     for plan in plans if not table_only else []:  # a missing dataset stops the command before any directory is made
         check_data(plan)
     # every cell of every table validated before the first run; --reuse and --table-only take the
-    # whole table's cells (plan.scope) where --rows runs only some of them
+    # whole table's cells (plan.scope) where --rows or --columns runs only some of them
     planned = [plan_runs(out_dir, plan.scope or plan.entries, plan.seeds) for plan, out_dir in zip(plans, outs)]
     if reuse is not None:
         for run_name, what in adopt_finished_runs(Path(reuse), planned[0], outs[0]).items():
