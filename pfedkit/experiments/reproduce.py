@@ -71,7 +71,8 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
     run_columns = chosen_columns(table, budget, columns)
     # a part of the table (--rows, --columns) keeps the table's other cells: every row, in the
     # budget's columns and the ones named
-    scope_columns = [c for c in table.columns if c in chosen_columns(table, budget, None) or c in run_columns]
+    budget_columns = chosen_columns(table, budget, None)
+    scope_columns = [c for c in table.columns if c in budget_columns or c in run_columns]
     partial = rows is not None or columns is not None
     return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows), run_columns),
                 list(range(count)), scope=entries(table.rows, scope_columns) if partial else None,
