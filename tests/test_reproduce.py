@@ -356,8 +356,13 @@ def test_table_only_writes_the_committed_table_without_data_or_runs(tmp_path, ca
     assert paper.loc["FedReMa", "ours"] == pytest.approx(
         100 * np.mean([summary[paper.loc["FedReMa", "metric"]] for summary in stored]))
     assert paper.loc["Local", "status"] == "pending"  # its run is not among the given ones
-    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
-        p.name for p in source.iterdir() if (p / "summary.json").is_file())
+    # every committed run of the budget's rows is adopted (a row outside them needs --rows)
+    fedrema = load_paper("fedrema")
+    regime = plan_table(fedrema, fedrema.table("1-mnist"), "regime", ["data_dir=nowhere"], seeds=2)
+    planned = {record.run_dir.name for record, _ in plan_runs(out, regime.entries, regime.seeds)}
+    committed = {p.name for p in source.iterdir() if (p / "summary.json").is_file()}
+    assert {p.name for p in (out / "runs").iterdir()} == committed & planned
+    assert len(committed & planned) >= 8  # FedReMa, FedPAC (both heads) on 2 seeds, FedAvg, code variant
     assert "FedReMa" in capsys.readouterr().out
     empty = tmp_path / "empty"
     assert main(["reproduce", "fedrema", "--table", "1-mnist", "--budget", "regime", "--out", str(empty),
