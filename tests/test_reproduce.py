@@ -11,7 +11,7 @@ import pytest
 
 from pfedkit.cli import main
 from pfedkit.core.errors import ConfigError
-from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs
+from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs, run_name
 from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
 from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, Plan, paper_markdown, paper_table, plan_table
 
@@ -479,8 +479,11 @@ def test_rows_grow_a_reused_table_and_keep_its_other_rows(tmp_path, capsys):
                  "--reuse", str(PFEDPM_RESULTS), "--rows", "Local", f"data_dir={SHARED_DATASETS}"]) == 0
     log = capsys.readouterr().err
     assert log.count(" Local seed 0: reused") == 3 and ": ran (" not in log
-    committed = [p.name for p in PFEDPM_RESULTS.iterdir() if (p / "summary.json").is_file()]
-    committed_rows = {name.split("-", 1)[1].rsplit("-s", 1)[0] for name in committed}  # n_3-pFedPM-mh-s0
+    committed = {p.name for p in PFEDPM_RESULTS.iterdir() if (p / "summary.json").is_file()}
+    pfedpm = load_paper("pfedpm")
+    table = pfedpm.table("1-mnist")
+    every_row = plan_table(pfedpm, table, "regime", rows=[row.method for row in table.rows if row.algorithm])
+    committed_rows = {entry.label for entry in every_row.entries if run_name(entry, 0) in committed}
     paper = pd.read_csv(out / "paper.csv")
     ran = paper[paper["status"] == "ran"]
     assert "Local" in committed_rows and len(committed_rows) > 1
