@@ -1,10 +1,11 @@
-"""The scripts behind docs/results.md's choices: bf16 parity and pFedPM's grid of a on validation."""
+"""The scripts behind docs/results.md: bf16 parity, pFedPM's grid of a on validation, per-round curves, paired clients."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -92,3 +93,27 @@ def test_per_round_curves_take_the_unweighted_mean_over_clients(tmp_path):
     assert frame["balanced_acc"].tolist() == pytest.approx([0.6, 0.6])
     with pytest.raises(SystemExit, match="LABEL=RUN_DIR"):
         curves.parse([str(tmp_path / "a")])
+
+
+def write_clients(run_dir: Path, correct: list[list[int]], total: list[list[int]]) -> Path:
+    run_dir.mkdir(parents=True)
+    np.savez(run_dir / "clients.npz", class_correct=np.array(correct), class_total=np.array(total))
+    return run_dir
+
+
+def test_paired_clients_takes_b_minus_a_per_client_with_its_standard_error(tmp_path):
+    script = load_script("paired_clients")
+    total = [[10, 0], [5, 5], [2, 18]]  # three clients of 10, 10 and 20 test samples
+    a = write_clients(tmp_path / "a", [[5, 0], [4, 4], [2, 14]], total)  # 50, 80, 80 %
+    b = write_clients(tmp_path / "b", [[8, 0], [4, 4], [1, 13]], total)  # 80, 80, 70 %
+    result = script.paired(a, b)
+    assert result["clients"] == 3
+    assert result["mean_a"] == pytest.approx(70.0) and result["mean_b"] == pytest.approx(230 / 3)  # unweighted
+    assert result["diff"] == pytest.approx(20 / 3)  # (+30 + 0 - 10) / 3: B - A, not A - B
+    assert result["stderr"] == pytest.approx(np.std([30.0, 0.0, -10.0], ddof=1) / np.sqrt(3))
+    assert (result["b_above"], result["b_below"], result["level"]) == (1, 1, 1)
+    other = write_clients(tmp_path / "other", [[5, 0], [4, 4], [2, 14]], [[10, 0], [5, 5], [3, 17]])
+    with pytest.raises(SystemExit, match="same clients"):
+        script.paired(a, other)  # another partition: pairing its clients would be meaningless
+    with pytest.raises(SystemExit, match="no clients.npz"):
+        script.paired(a, tmp_path)
