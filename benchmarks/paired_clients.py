@@ -32,7 +32,7 @@ def paired(run_a: Path, run_b: Path) -> dict[str, float]:
     """B − A over the clients both runs evaluated on the same test samples."""
     acc_a, total_a = client_accuracy(run_a)
     acc_b, total_b = client_accuracy(run_b)
-    if total_a.shape != total_b.shape or not np.array_equal(total_a, total_b):
+    if not np.array_equal(total_a, total_b):  # False too when the shapes differ
         raise SystemExit(f"{run_a} and {run_b} do not test the same clients on the same class counts: "
                          "pair only runs of one dataset, partition and seed")
     diff = acc_b - acc_a

@@ -115,5 +115,8 @@ def test_paired_clients_takes_b_minus_a_per_client_with_its_standard_error(tmp_p
     other = write_clients(tmp_path / "other", [[5, 0], [4, 4], [2, 14]], [[10, 0], [5, 5], [3, 17]])
     with pytest.raises(SystemExit, match="same clients"):
         script.paired(a, other)  # another partition: pairing its clients would be meaningless
+    fewer = write_clients(tmp_path / "fewer", [[5, 0], [4, 4]], [[10, 0], [5, 5]])
+    with pytest.raises(SystemExit, match="same clients"):
+        script.paired(a, fewer)  # another client count
     with pytest.raises(SystemExit, match="no clients.npz"):
         script.paired(a, tmp_path)
