@@ -41,6 +41,7 @@ from torch import nn
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names, get_algorithm
+from pfedkit.algorithms.perfedavg import inner_step
 from pfedkit.core.contract import Algorithm, Fit
 from pfedkit.core.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
@@ -311,9 +312,9 @@ def apfl(parts: Parts, cid: int) -> Expected:
 
 
 def perfedavg(parts: Parts, cid: int) -> Expected:
-    """The global model (FedAvg of the trained models), adapted by one SGD step with lr alpha."""
+    """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
-    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.h.alpha))
+    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.h.alpha, step=inner_step))
 
 
 def fedbabu(parts: Parts, cid: int) -> Expected:

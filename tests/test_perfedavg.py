@@ -118,11 +118,22 @@ def test_evaluation_step_is_measured_but_never_written_back(small_config, monkey
     assert (adapted.metrics["accuracy"] != plain.metrics["accuracy"]).any()
 
 
-def test_adaptation_is_one_plain_sgd_step_with_lr_alpha_from_the_evaluated_model():
-    params = tiny_params()
-    fit = PerFedAvg(hyper(alpha=0.02), None).adapt(0, {"params": params}, None, params)
-    assert fit.params is params and fit.steps == 1 and fit.lr == 0.02 and fit.step is None
-    assert PerFedAvg(hyper(), None).adapt(0, {"params": params}, None, params).lr is None  # config lr
+def test_adaptation_is_the_unclipped_inner_step_with_lr_alpha_from_the_evaluated_model():
+    """The evaluated model is w - alpha grad F(w; D), the meta objective's inner step: the config's
+    clipping, weight decay and momentum (which would shrink or bend this step) do not apply."""
+    alpha = 0.5
+    settings = TrainSettings(local_epochs=1, batch_size=4, lr=0.05, momentum=0.9, weight_decay=0.1,
+                             grad_clip=1e-3, seed=5)
+    x, y = data(12)
+    w = tiny_params()
+    fit = PerFedAvg(hyper(alpha=alpha), None).adapt(0, {"params": w}, None, w)
+    assert fit.params is w and fit.steps == 1
+    out, (d,) = train(fit, settings, x, y)
+    grad = grad_at(w, x[d], y[d])
+    assert torch.sqrt(sum((g ** 2).sum() for g in grad.values())) > 100 * settings.grad_clip  # clipping would bite
+    for k in w:
+        torch.testing.assert_close(out[k], w[k] - alpha * grad[k])
+    assert PerFedAvg(hyper(), None).adapt(0, {"params": w}, None, w).lr is None  # alpha = the config's lr
 
 
 def test_end_to_end_on_digits_beats_chance(small_config):

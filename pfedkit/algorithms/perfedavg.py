@@ -11,8 +11,10 @@ request's schedule, so E epochs of b batches give floor(E b / 2) meta-steps [our
 floor(b / 2) per epoch when b is even]. Server: FedAvg (n_i weights). alpha = the config's lr
 unless `alpha` is set, beta = 1e-3 (FL-bench; PFLlib uses beta = alpha), delta = 1e-3.
 
-Evaluated model: the global model after ONE SGD step with lr alpha on one training batch
-(`Algorithm.adapt`, PFLlib's evaluate_one_step); the adapted copy is thrown away.
+Evaluated model: the global model after ONE inner step w - alpha grad F(w; D) on one training batch
+(`Algorithm.adapt`, PFLlib's evaluate_one_step); the adapted copy is thrown away. It is the inner
+step of the meta objective, so, like it, it ignores the config's gradient clipping, weight decay
+and momentum: a clipped step would evaluate a point the meta-training never optimised.
 Communication: the model down, the model + n_i up.
 """
 from __future__ import annotations
@@ -33,6 +35,16 @@ def shifted(params: Params, direction: Params, scale: float) -> Params:
     """params + scale * direction on the names of `direction`; the other entries as they are."""
     return {name: (value + scale * direction[name] if name in direction else value)
             for name, value in params.items()}
+
+
+def inner_step(tools: StepTools, batches: list[Batch]) -> float:
+    """The meta objective's inner step in place, w <- w - alpha grad F(w; D) (alpha = tools.lr),
+    unclipped: the personalised model Per-FedAvg evaluates. Returns the loss at w on D."""
+    loss, grad = tools.loss_and_grad(batches[0])
+    with torch.no_grad():
+        for name, g in grad.items():
+            tools.params[name].sub_(tools.lr * g)
+    return float(loss)
 
 
 def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: str, delta: float) -> float:
@@ -75,5 +87,5 @@ class PerFedAvg(FedAvg):
                    batches_per_step=3 if self.h.variant == "hf" else 2)
 
     def adapt(self, cid: int, server: dict, client: None, params: Params) -> Fit:
-        """One SGD step with lr alpha on one training batch from the evaluated (global) model."""
-        return Fit(params, steps=1, lr=self.h.alpha)
+        """The inner step (lr alpha, one training batch) from the evaluated (global) model."""
+        return Fit(params, steps=1, lr=self.h.alpha, step=inner_step)
