@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 import pfedkit
 from pfedkit.algorithms.feddistill import distillation_term, feddistill_loss
@@ -38,20 +39,23 @@ def test_lam_zero_is_local_training(config):
     pd.testing.assert_frame_equal(distill.metrics[columns], local.metrics[columns])
 
 
-def test_kl_and_pfllib_terms_match_a_hand_computation():
+def test_kl_and_both_pfllib_terms_match_a_hand_computation():
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
     labels = torch.tensor([1, 0])
     targets = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, -2.0], [9.0, 9.0, 9.0]])
     has = torch.tensor([True, True, False])
-    expected_kl, expected_ce = 0.0, 0.0
+    expected_kl, expected_ce, expected_mse = 0.0, 0.0, 0.0
     for z, label in zip(logits.tolist(), labels.tolist()):
         p, q = softmax(targets[label].tolist()), softmax(z)
         expected_kl += sum(pk * (math.log(pk) - math.log(qk)) for pk, qk in zip(p, q))
         expected_ce += -sum(tk * math.log(qk) for tk, qk in zip(targets[label].tolist(), q))
+        expected_mse += sum((zk - tk) ** 2 for zk, tk in zip(z, targets[label].tolist())) / 3
     torch.testing.assert_close(distillation_term(logits, labels, targets, has, "kl"),
                                torch.tensor(expected_kl / 2))
     torch.testing.assert_close(distillation_term(logits, labels, targets, has, "pfllib_ce"),
                                torch.tensor(expected_ce / 2))
+    torch.testing.assert_close(distillation_term(logits, labels, targets, has, "pfllib_mse"),
+                               torch.tensor(expected_mse / 2))
     out = Forward(torch.zeros(2, 4), logits)
     context = {"targets": targets, "has_target": has}
     torch.testing.assert_close(feddistill_loss(out, labels, {}, context, lam=0.3),
@@ -72,6 +76,21 @@ def test_samples_whose_class_has_no_global_vector_contribute_zero():
     torch.testing.assert_close(term.detach(), kept * 2 / 3)  # still averaged over the whole batch of 3
     nothing = torch.zeros(3, dtype=torch.bool)
     assert float(distillation_term(logits.detach(), labels, targets, nothing)) == 0.0
+
+
+def test_pfllib_mse_equals_pfllibs_mse_loss_with_own_logits_where_a_class_has_no_vector():
+    """PFLlib's FedDistill (until 2024-04): MSELoss(target, z) over [B, C], where a sample whose class
+    has a global vector gets it as target and any other sample its own detached logits (so 0)."""
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0], [1.0, -1.0, 3.0]], requires_grad=True)
+    labels = torch.tensor([1, 2, 0])
+    targets = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, -2.0], [5.0, -5.0, 0.0]])
+    has = torch.tensor([True, True, False])
+    pfllib_target = logits.detach().clone()
+    for b, label in enumerate(labels.tolist()):
+        if has[label]:
+            pfllib_target[b] = targets[label]
+    torch.testing.assert_close(distillation_term(logits, labels, targets, has, "pfllib_mse"),
+                               nn.functional.mse_loss(logits, pfllib_target))
 
 
 def test_server_vector_is_the_plain_mean_over_owners_and_exclude_self_leaves_out_the_receiver(config):

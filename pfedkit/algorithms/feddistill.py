@@ -7,8 +7,9 @@ No weights are shared. Round t:
   1. The server sends the global per-label logit vectors z̄_c it has (none before round 1); with
      `exclude_self` each client gets them without its own contribution, (sum - own) / (count - 1).
   2. A participant trains its own model E epochs on CE(z, y) + lam * KL(softmax(z̄_y) || softmax(z))
-     (`distill_loss="kl"`) or + lam * CE with the raw z̄_y as soft targets (`"pfllib_ce"`); samples
-     whose label has no global vector contribute 0; the term is averaged over the whole batch.
+     (`distill_loss="kl"`), + lam * CE with the raw z̄_y as soft targets (`"pfllib_ce"`) or + lam *
+     the mean squared error between z and z̄_y (`"pfllib_mse"`); samples whose label has no global
+     vector contribute 0; the term is averaged over the whole batch.
   3. It computes its per-label mean logits z̄_{i,c} over its training data (one eval-mode pass after
      training) and uploads them for the classes it owns (the labels are the message's keys).
   4. The server sets z̄_c = plain mean of this round's uploads of class c; a class nobody uploaded
@@ -46,6 +47,7 @@ def distillation_term(logits: torch.Tensor, labels: torch.Tensor, targets: torch
     """(1/B) sum_{b: z̄_{y_b} exists} d(z̄_{y_b}, z_b) over the batch of B samples, with
         "kl":        d = KL(softmax(z̄_y) || softmax(z)) = sum_k p_k (log p_k - log q_k)
         "pfllib_ce": d = -sum_k z̄_{y,k} log softmax(z)_k  (raw logits as soft targets)
+        "pfllib_mse": d = (1/C) sum_k (z_k - z̄_{y,k})^2  (PFLlib's MSELoss over the [B, C] logits)
     targets [C, C] (row c = z̄_c), has_target [C] bool. Masked sums only, so it runs under vmap."""
     selected = has_target[labels].to(logits.dtype)  # [B]
     teacher = targets[labels]  # [B, C]
@@ -55,8 +57,10 @@ def distillation_term(logits: torch.Tensor, labels: torch.Tensor, targets: torch
         per_sample = (log_p.exp() * (log_p - log_q)).sum(dim=1)
     elif kind == "pfllib_ce":
         per_sample = -(teacher * log_q).sum(dim=1)
+    elif kind == "pfllib_mse":
+        per_sample = (logits - teacher).square().mean(dim=1)
     else:
-        raise ValueError(f"distill_loss must be 'kl' or 'pfllib_ce', got {kind!r}")
+        raise ValueError(f"distill_loss must be 'kl', 'pfllib_ce' or 'pfllib_mse', got {kind!r}")
     return (selected * per_sample).sum() / logits.shape[0]
 
 
@@ -111,14 +115,18 @@ class FedDistill(Algorithm):
 
         lam: weight of the distillation term, 1.0 [code: PFLlib; spec].
         distill_loss: "kl" = KL(softmax(z̄_y) || softmax(z)) [ours, spec]; "pfllib_ce" = cross-entropy
-           with the raw global logits z̄_y as soft targets [code: PFLlib].
+           with the raw global logits z̄_y as soft targets [code: PFLlib FD since 2025-11; from
+           2024-04 it was the KL's gradient];
+           "pfllib_mse" = mean squared error to z̄_y [code: PFLlib until 2024-04, the version
+           FedReMa's code forks].
         exclude_self: False = every client receives the plain mean over all owners [code: PFLlib];
            True = the mean over the OTHER owners of each class [paper].
         """
         model_config = ConfigDict(extra="forbid")
         lam: float = Field(1.0, ge=0, description="weight of the distillation term")
-        distill_loss: Literal["kl", "pfllib_ce"] = Field(
-            "kl", description="KL to softmax(global logits) or PFLlib's CE with the raw global logits as targets")
+        distill_loss: Literal["kl", "pfllib_ce", "pfllib_mse"] = Field(
+            "kl", description="KL to softmax(global logits), PFLlib's CE with the raw global logits as targets, "
+            "or PFLlib's earlier mean squared error to them")
         exclude_self: bool = Field(False, description="send each client the mean over the other owners of a class")
 
     # -- state ---------------------------------------------------------------------------------
