@@ -37,13 +37,18 @@ def shifted(params: Params, direction: Params, scale: float) -> Params:
             for name, value in params.items()}
 
 
+def descend(params: Params, direction: Params, scale: float) -> None:
+    """params -= scale * direction in place, on the names of `direction` (the live tensors)."""
+    with torch.no_grad():
+        for name, value in direction.items():
+            params[name].sub_(scale * value)
+
+
 def inner_step(tools: StepTools, batches: list[Batch]) -> float:
     """The meta objective's inner step in place, w <- w - alpha grad F(w; D) (alpha = tools.lr),
     unclipped: the personalised model Per-FedAvg evaluates. Returns the loss at w on D."""
     loss, grad = tools.loss_and_grad(batches[0])
-    with torch.no_grad():
-        for name, g in grad.items():
-            tools.params[name].sub_(tools.lr * g)
+    descend(tools.params, grad, tools.lr)
     return float(loss)
 
 
@@ -60,9 +65,7 @@ def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: s
         _, plus = tools.loss_and_grad(batches[2], at=shifted(tools.params, outer, delta))
         _, minus = tools.loss_and_grad(batches[2], at=shifted(tools.params, outer, -delta))
         outer = {name: g - alpha * (plus[name] - minus[name]) / (2 * delta) for name, g in outer.items()}
-    with torch.no_grad():
-        for name, g in outer.items():
-            tools.params[name].sub_(beta * g)
+    descend(tools.params, outer, beta)
     return float(meta_loss)
 
 
