@@ -32,8 +32,9 @@ def softmax(values):
     return [e / sum(exps) for e in exps]
 
 
-def test_lam_zero_is_local_training(config):
-    distill = pfedkit.run({**config, "feddistill": {"lam": 0.0}})
+@pytest.mark.parametrize("upload", ["after_training", "training_passes"])
+def test_lam_zero_is_local_training(config, upload):
+    distill = pfedkit.run({**config, "feddistill": {"lam": 0.0, "upload_logits": upload}})
     local = pfedkit.run({**config, "algorithm": "local"})
     columns = ["round", "client", "correct", "accuracy", "loss", "train_loss"]
     pd.testing.assert_frame_equal(distill.metrics[columns], local.metrics[columns])
@@ -145,6 +146,52 @@ def test_upload_is_the_per_label_mean_logits_of_the_trained_model(config):
         torch.testing.assert_close(reply["logits"][c], logits[data.y_train == c].mean(dim=0))
 
 
+def upload_of_one_update(config, cid: int = 2):
+    """(client data, the initial params, the new client state, the reply) of client cid's round 1."""
+    from pfedkit.engine.trainer import FitJob
+
+    prepared = prepare(load_config(config))
+    algo, trainer, data = prepared.simulation.algorithm, prepared.runtime.trainer, prepared.data.clients[cid]
+    start = {name: value.clone() for name, value in prepared.state.clients[cid]["params"].items()}
+    update = algo.client_update(1, cid, prepared.state.clients[cid], {}, data)
+    outcome = trainer.fit(FitJob(1, cid, 0, next(update), None), data.x_train, data.y_train)
+    with pytest.raises(StopIteration) as stop:
+        update.send(outcome.params)
+    return algo, data, start, *stop.value.value
+
+
+def class_mean_logits(algo, params, data):
+    logits = algo.setup.ops.logits(params, data.x_train)
+    return {c: logits[data.y_train == c].mean(dim=0) for c in sorted(set(data.y_train.tolist()))}
+
+
+def test_training_passes_upload_the_logits_of_the_training_forwards_not_of_the_trained_model(config):
+    """One epoch of one full batch: the only training forward is the initial model's, so the upload
+    is the initial model's per-class mean logits (train mode = eval mode on this MLP), and not the
+    trained model's; the client keeps the model alone, without the carried sums."""
+    config = {**config, "batch_size": 10_000, "drop_last": False, "local_epochs": 1,
+              "feddistill": {"upload_logits": "training_passes"}}
+    algo, data, start, state, reply = upload_of_one_update(config)
+    before, after = class_mean_logits(algo, start, data), class_mean_logits(algo, state["params"], data)
+    assert sorted(reply["logits"]) == sorted(before)
+    assert sorted(state["params"]) == sorted(start)
+    for c, vector in reply["logits"].items():
+        torch.testing.assert_close(vector, before[c])
+        assert (vector - after[c]).abs().max() > 1e-3
+
+
+def test_training_passes_weigh_every_forward_of_every_epoch_alike(config):
+    """lr ~ 0 over 3 epochs of small batches: every forward sees the same model, so the mean over
+    the training forwards equals the eval-mode class means (a count off or a batch lost moves it)."""
+    config = {**config, "lr": 1e-9, "batch_size": 7, "drop_last": False, "local_epochs": 3,
+              "feddistill": {"upload_logits": "training_passes"}}
+    algo, data, start, state, reply = upload_of_one_update(config)
+    expected = class_mean_logits(algo, start, data)
+    assert sorted(reply["logits"]) == sorted(expected)
+    for c, vector in reply["logits"].items():
+        torch.testing.assert_close(vector, expected[c])
+
+
 def test_end_to_end_bytes_diagnostic_and_accuracy(config):
     result = pfedkit.run(config)
     counts = prepare(load_config(config)).data.train_counts()
@@ -161,9 +208,10 @@ def test_end_to_end_bytes_diagnostic_and_accuracy(config):
     assert final_state(result).server["counts"].tolist() == (counts > 0).sum(axis=0).tolist()
 
 
-def test_processes_backend_gives_the_sequential_metrics(config):
+@pytest.mark.parametrize("upload", ["after_training", "training_passes"])
+def test_processes_backend_gives_the_sequential_metrics(config, upload):
     columns = ["round", "client", "accuracy", "loss", "bytes_up", "bytes_down"]
-    base = {**config, "rounds": 2, "join_ratio": 0.75, "feddistill": {"exclude_self": True}}
+    base = {**config, "rounds": 2, "join_ratio": 0.75, "feddistill": {"exclude_self": True, "upload_logits": upload}}
     sequential = pfedkit.run({**base, "backend": "sequential"})
     processes = pfedkit.run({**base, "backend": "processes", "workers": 2})
     pd.testing.assert_frame_equal(sequential.metrics[columns], processes.metrics[columns])

@@ -11,7 +11,9 @@ No weights are shared. Round t:
      the mean squared error between z and z̄_y (`"pfllib_mse"`); samples whose label has no global
      vector contribute 0; the term is averaged over the whole batch.
   3. It computes its per-label mean logits z̄_{i,c} over its training data (one eval-mode pass after
-     training) and uploads them for the classes it owns (the labels are the message's keys).
+     training; with `upload_logits="training_passes"` the mean of the logits of every training
+     forward of the round instead, train mode and weights changing, as PFLlib) and uploads them
+     for the classes it owns (the labels are the message's keys).
   4. The server sets z̄_c = plain mean of this round's uploads of class c; a class nobody uploaded
      this round keeps its previous vector.
 
@@ -30,12 +32,14 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from pfedkit.algorithms.prototypes import class_means, message_to_table, table_to_message
+from pfedkit.algorithms.prototypes import class_means, means_from_sums, message_to_table, table_to_message
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
 from pfedkit.core.params import Params, clone
 
 LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
+# Fit extras carrying the per-class sums of the training forwards' logits (upload_logits="training_passes")
+TRAINING_SUMS, TRAINING_COUNTS = "distill_logit_sums", "distill_logit_counts"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +76,22 @@ def feddistill_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapp
     if lam == 0:
         return loss
     return loss + lam * distillation_term(out.logits, y, context["targets"], context["has_target"], kind)
+
+
+def recording_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
+                   loss_fn: Any) -> torch.Tensor:
+    """loss_fn's loss; on the side, adds the batch's logits (detached, float64) to the per-class
+    sums and counts carried as the Fit's extras `TRAINING_SUMS` [C, C] and `TRAINING_COUNTS` [C]
+    (updated in place: they get no gradient, so SGD leaves them alone)."""
+    params[TRAINING_SUMS].detach().index_add_(0, y, out.logits.detach().to(torch.float64))
+    params[TRAINING_COUNTS].detach().index_add_(0, y, torch.ones(len(y), dtype=torch.float64, device=y.device))
+    return loss_fn(out, y, params, context)
+
+
+def training_means(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class means [C, C] (float32; 0 where a class had no sample) and counts [C] (int64) from
+    the training forwards' sums."""
+    return means_from_sums(sums, counts).float(), counts.round().to(torch.int64)
 
 
 def round_sums(uploads: Sequence[Mapping[int, torch.Tensor]], num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +141,11 @@ class FedDistill(Algorithm):
            FedReMa's code forks].
         exclude_self: False = every client receives the plain mean over all owners [code: PFLlib];
            True = the mean over the OTHER owners of each class [paper].
+        upload_logits: "after_training" = the per-class mean logits of one eval-mode pass over the
+           training data after training [ours, paper: the logits of the trained model];
+           "training_passes" = the per-class mean of the logits of every training forward of the
+           round, all local epochs, train mode, the weights changing between batches [code: PFLlib
+           FD, every version].
         """
         model_config = ConfigDict(extra="forbid")
         lam: float = Field(1.0, ge=0, description="weight of the distillation term")
@@ -128,6 +153,9 @@ class FedDistill(Algorithm):
             "kl", description="KL to softmax(global logits), PFLlib's CE with the raw global logits as targets, "
             "or PFLlib's earlier mean squared error to them")
         exclude_self: bool = Field(False, description="send each client the mean over the other owners of a class")
+        upload_logits: Literal["after_training", "training_passes"] = Field(
+            "after_training", description="the uploaded per-class mean logits: one eval-mode pass over the "
+            "training data after training, or the mean over the round's training forwards (PFLlib)")
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -157,9 +185,18 @@ class FedDistill(Algorithm):
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         c = self.setup.num_classes
         targets, has_target = message_to_table(message.get("logits", {}), c, c)
-        params = yield Fit(client["params"], loss=partial(feddistill_loss, lam=self.h.lam, kind=self.h.distill_loss),
-                           context={"targets": targets, "has_target": has_target})
-        means, counts = self.mean_logits(params, data)
+        loss = partial(feddistill_loss, lam=self.h.lam, kind=self.h.distill_loss)
+        context = {"targets": targets, "has_target": has_target}
+        if self.h.upload_logits == "after_training":
+            params = yield Fit(client["params"], loss=loss, context=context)
+            means, counts = self.mean_logits(params, data)
+        else:
+            sums = {TRAINING_SUMS: torch.zeros(c, c, dtype=torch.float64),
+                    TRAINING_COUNTS: torch.zeros(c, dtype=torch.float64)}
+            trained = yield Fit(client["params"], loss=partial(recording_loss, loss_fn=loss), context=context,
+                                extra=sums)
+            params = {name: value for name, value in trained.items() if name not in sums}
+            means, counts = training_means(trained[TRAINING_SUMS], trained[TRAINING_COUNTS])
         return {"params": params}, {"logits": table_to_message(means, counts > 0)}
 
     def mean_logits(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:

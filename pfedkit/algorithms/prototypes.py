@@ -39,8 +39,12 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int) 
     counts = torch.bincount(labels, minlength=num_classes)
     sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64)
     sums.index_add_(0, labels, features.double())
-    means = sums / counts.clamp(min=1).unsqueeze(1)
-    return means.to(features.dtype), counts
+    return means_from_sums(sums, counts).to(features.dtype), counts
+
+
+def means_from_sums(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row c of `sums` [C, d] divided by counts[c] [C]; rows with no sample stay zero."""
+    return sums / counts.clamp(min=1).unsqueeze(1)
 
 
 def present_class_means(features: torch.Tensor, labels: torch.Tensor,
