@@ -192,6 +192,14 @@ def test_training_passes_weigh_every_forward_of_every_epoch_alike(config):
         torch.testing.assert_close(vector, expected[c])
 
 
+def test_training_passes_under_sample_level_dp_is_a_clear_config_error(config):
+    from pfedkit.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="dp.level=sample"):
+        pfedkit.run({**config, "rounds": 1, "backend": "sequential", "dp": {"level": "sample"},
+                     "feddistill": {"upload_logits": "training_passes"}})
+
+
 def test_end_to_end_bytes_diagnostic_and_accuracy(config):
     result = pfedkit.run(config)
     counts = prepare(load_config(config)).data.train_counts()

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pfedkit.algorithms.prototypes import class_means, means_from_sums, message_to_table, table_to_message
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone
 
 LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
@@ -83,8 +84,15 @@ def recording_loss(out: Forward, y: torch.Tensor, params: Params, context: Mappi
     """loss_fn's loss; on the side, adds the batch's logits (detached, float64) to the per-class
     sums and counts carried as the Fit's extras `TRAINING_SUMS` [C, C] and `TRAINING_COUNTS` [C]
     (updated in place: they get no gradient, so SGD leaves them alone)."""
-    params[TRAINING_SUMS].detach().index_add_(0, y, out.logits.detach().to(torch.float64))
-    params[TRAINING_COUNTS].detach().index_add_(0, y, torch.ones(len(y), dtype=torch.float64, device=y.device))
+    try:
+        params[TRAINING_SUMS].detach().index_add_(0, y, out.logits.detach().to(torch.float64))
+        params[TRAINING_COUNTS].detach().index_add_(0, y, torch.ones(len(y), dtype=torch.float64, device=y.device))
+    except RuntimeError as err:  # DP-SGD computes the loss per sample under vmap: no side effects there
+        if "vmap" not in str(err):
+            raise
+        raise ConfigError("feddistill.upload_logits=training_passes records the logits of the training forwards, "
+                          "which DP-SGD's per-sample gradients (dp.level=sample) do not allow; use "
+                          "feddistill.upload_logits=after_training or dp.level=client") from None
     return loss_fn(out, y, params, context)
 
 
