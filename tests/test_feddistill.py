@@ -129,25 +129,8 @@ def test_server_vector_is_the_plain_mean_over_owners_and_exclude_self_leaves_out
             torch.testing.assert_close(algo.broadcast(3, server, [0])[0]["logits"][0], torch.zeros(10))
 
 
-def test_upload_is_the_per_label_mean_logits_of_the_trained_model(config):
-    from pfedkit.engine.trainer import FitJob
-
-    prepared = prepare(load_config(config))
-    algo, trainer, data = prepared.simulation.algorithm, prepared.runtime.trainer, prepared.data.clients[2]
-    update = algo.client_update(1, 2, prepared.state.clients[2], {}, data)
-    outcome = trainer.fit(FitJob(1, 2, 0, next(update), None), data.x_train, data.y_train)
-    with pytest.raises(StopIteration) as stop:
-        update.send(outcome.params)
-    state, reply = stop.value.value
-    logits = algo.setup.ops.logits(state["params"], data.x_train)
-    owned = sorted(set(data.y_train.tolist()))
-    assert sorted(reply["logits"]) == owned
-    for c in owned:
-        torch.testing.assert_close(reply["logits"][c], logits[data.y_train == c].mean(dim=0))
-
-
 def upload_of_one_update(config, cid: int = 2):
-    """(client data, the initial params, the new client state, the reply) of client cid's round 1."""
+    """(algorithm, client data, initial params, new client state, reply) of client cid's round 1."""
     from pfedkit.engine.trainer import FitJob
 
     prepared = prepare(load_config(config))
@@ -163,6 +146,14 @@ def upload_of_one_update(config, cid: int = 2):
 def class_mean_logits(algo, params, data):
     logits = algo.setup.ops.logits(params, data.x_train)
     return {c: logits[data.y_train == c].mean(dim=0) for c in sorted(set(data.y_train.tolist()))}
+
+
+def test_upload_is_the_per_label_mean_logits_of_the_trained_model(config):
+    algo, data, _, state, reply = upload_of_one_update(config)
+    expected = class_mean_logits(algo, state["params"], data)
+    assert sorted(reply["logits"]) == sorted(expected)
+    for c, vector in reply["logits"].items():
+        torch.testing.assert_close(vector, expected[c])
 
 
 def test_training_passes_upload_the_logits_of_the_training_forwards_not_of_the_trained_model(config):
