@@ -83,3 +83,35 @@ def test_message_bytes_counts_payloads():
                "weight": 17, "counts": np.zeros(10, dtype=np.int64)}
     assert message_bytes(message) == 48 + 32 + 8 + 80
     assert message_bytes({}) == 0
+
+
+def early_peak_frame(rounds: int = 12) -> pd.DataFrame:
+    """Two clients (10 and 90 test samples) whose accuracy peaks in round 2 and then drifts down:
+    the best round is not among the last 5 or 10, and weighted and unweighted means differ."""
+    rows = []
+    for rnd in range(1, rounds + 1):
+        small, large = (10, 90) if rnd == 2 else (max(0, 8 - rnd // 2), 30 + rnd)
+        for cid, (correct, n) in enumerate(((small, 10), (large, 90))):
+            rows.append({"round": rnd, "client": cid, "correct": correct, "n_test": n, "accuracy": correct / n,
+                         "loss": 1.0, "balanced_acc": correct / n, "bytes_up": 0, "bytes_down": 0})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("point", ["best", "last5", "last10", "final"])
+@pytest.mark.parametrize("weighting", ["weighted", "unweighted"])
+def test_the_headline_is_the_point_and_weighting_asked_for(point, weighting):
+    """Computed here from the rows: per round the weighted mean (pooled correct / pooled n) or the
+    unweighted mean over clients, then the best round, the mean of the last 5 or 10, or the last."""
+    frame = early_peak_frame()
+    per_round = []
+    for _, rows in frame.groupby("round"):
+        per_round.append(rows["correct"].sum() / rows["n_test"].sum() if weighting == "weighted"
+                         else rows["accuracy"].mean())
+    expected = {"best": max(per_round), "last5": np.mean(per_round[-5:]), "last10": np.mean(per_round[-10:]),
+                "final": per_round[-1]}
+    assert per_round.index(max(per_round)) == 1  # round 2: outside the last 10 of 12 rounds
+    assert len({round(v, 9) for v in expected.values()}) == 4  # four different answers
+    summary = summarize(frame, algorithm="x", dataset="d", rounds=12, class_correct=None, class_total=None,
+                        train_counts=np.zeros((2, 2)), weighting=weighting, point=point)
+    assert summary["headline_acc"] == pytest.approx(expected[point], abs=1e-12)
+    assert weighting in summary["headline"] and summary["best_round"] == 2

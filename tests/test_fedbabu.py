@@ -45,3 +45,20 @@ def test_uploads_and_downloads_are_the_body_only(small_config):
     rows = result.metrics[result.metrics["round"] == 1]
     assert (rows["bytes_up"] == body_bytes + 8).all()  # + the sample count n_i
     assert (rows["bytes_down"] == body_bytes).all()
+
+
+def test_the_local_fit_of_a_round_trains_the_body_only(small_config):
+    """What each round asks of the trainer: the downloaded body under the client's fixed head,
+    the body trainable and the head frozen (a head trained here and then dropped would still leave
+    the head unchanged, but would train the body against a moving head)."""
+    prepared = prepare(load_config({**small_config, "algorithm": "fedbabu"}))
+    prepared.runtime.close()
+    algorithm, init = prepared.simulation.algorithm, prepared.state
+    server, client = init.server, init.clients[0]
+    message = algorithm.broadcast(1, server, [0])[0]
+    update = algorithm.client_update(1, 0, client, message, prepared.data.clients[0])
+    fit = next(update)
+    assert fit.trainable == "body"
+    for name, value in fit.params.items():
+        expected = server["body"][name] if name.startswith("body.") else client["head"][name]
+        assert torch.equal(value, expected), name

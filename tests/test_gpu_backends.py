@@ -144,7 +144,7 @@ def test_a_spawned_worker_that_cannot_start_fails_the_first_job():
     """A pool restarts a worker whose initializer raises, forever: the error waits for a job."""
     processes._WORKER.clear()
     try:
-        processes._init_spawned_worker(_Counter(), ["cpu"], b"not a pickle", None, b"", 1)
+        processes._init_spawned_worker(None, _Counter(), ["cpu"], b"not a pickle", None, b"", 1)
         with pytest.raises(RuntimeError, match="could not start"):
             processes._fit(b"")
     finally:

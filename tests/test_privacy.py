@@ -85,6 +85,24 @@ def test_clipped_update_norm_is_at_most_clip_and_small_updates_pass_unchanged():
             assert float(cos) / (clip * norm) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("ratio", [1.01, 1.5, 1.99])
+def test_an_update_just_beyond_the_bound_is_clipped_to_exactly_the_bound(ratio):
+    """Norms between C and 2C: a bound applied at 2C (or a factor of 2C / norm) lets them through."""
+    reference, clip = model_params(0), 0.8
+    direction = model_params(7)
+    scale = ratio * clip / update_norm({n: reference[n] + direction[n] for n in reference}, reference)
+    upload = {n: reference[n] + scale * direction[n] for n in reference}
+    clipped, norm = clipped_model(upload, reference, clip)
+    assert norm == pytest.approx(ratio * clip, rel=1e-5)
+    assert update_norm(clipped, reference) == pytest.approx(clip, rel=1e-5)
+    for name in reference:  # the same direction: clipped update = (C / norm) * update
+        assert torch.allclose(clipped[name] - reference[name], (upload[name] - reference[name]) / ratio,
+                              atol=1e-6, rtol=1e-4)
+    agg = dp_mean([0], reference, clip, noise=0.0)  # the aggregation path the runs take
+    agg.add(0, {"params": upload})
+    assert update_norm(agg.finish(), reference) == pytest.approx(clip, rel=1e-5)
+
+
 def test_aggregate_moves_by_at_most_clip_over_m_per_client_without_noise():
     """One client with a huge update among m = 4 zero updates: the aggregate moves by exactly clip / m."""
     reference, clip, cids = model_params(0), 0.5, [0, 1, 2, 3]

@@ -120,6 +120,24 @@ def test_fit_many_matches_local_trainer_per_client(trainable, digits):
     assert_outcomes_close(got, reference(ops.build, SETTINGS, data, jobs))
 
 
+def test_each_requests_own_lr_is_used_as_the_sequential_trainer_uses_it(digits):
+    """Fit(lr=...) per client (FedPAC's head_lr, PFedCS's finetune_lr): clients with different lrs
+    never share one stacked step's lr, and lr=None means the config's."""
+    data, ops = digits
+    init = ops.initial_params()
+    lrs = [0.01, 0.3, None, 0.05, 0.3]
+    jobs = [FitJob(1, cid, 0, Fit(init, lr=lr, trainable="head" if cid == 3 else "all"), None)
+            for cid, lr in enumerate(lrs)]
+    runtime = VectorizedRuntime(ops.build, SETTINGS, data, threads=1, device="cpu")
+    got = runtime.fit_many(jobs)
+    runtime.close()
+    assert runtime.jobs_vectorized == 5
+    want = reference(ops.build, SETTINGS, data, jobs)
+    assert_outcomes_close(got, want)
+    config_lr = reference(ops.build, SETTINGS, data, [FitJob(1, 0, 0, Fit(init), None)])
+    assert not torch.equal(want[0].params["head.fc.weight"], config_lr[0].params["head.fc.weight"])  # lr acts
+
+
 def test_head_training_leaves_body_unchanged(digits):
     data, ops = digits
     init = ops.initial_params()

@@ -30,6 +30,10 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import signal
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
@@ -147,7 +151,36 @@ class DeviceWorker:
         return item[0], self.runtime.evaluate_many([item])[item[0]]
 
 
-def _init_worker(channels: Channels, *args) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent ends
+
+
+def die_with_parent(parent: int | None) -> None:
+    """(worker) End this process when `parent`, the main process, ends, however it ends.
+
+    A run stopped by SIGTERM (a scheduler's time limit) or SIGKILL runs no cleanup, and a pool's
+    workers would live on under PID 1, each holding the federation's data and a core. On Linux
+    the kernel sends SIGKILL to this process when its parent dies (`prctl(PR_SET_PDEATHSIG)`);
+    elsewhere a daemon thread watches the parent's pid. None: not a pool's worker (a test calling
+    an initializer in its own process), nothing to do."""
+    if parent is None:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent ended before the request took effect
+                os._exit(1)
+            return
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True, name="die-with-parent").start()
+
+
+def _exit_when_orphaned(parent: int, period: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(period)
+    os._exit(1)
+
+
+def _init_worker(channels: Channels, parent: int | None, *args) -> None:
+    die_with_parent(parent)
     _WORKER["channels"] = channels
     _WORKER["worker"] = ClientWorker(*args)
 
@@ -165,11 +198,12 @@ def pack_builders(build, builds, model_keys) -> bytes:
                            f"({type(err).__name__}: {err}); pip install cloudpickle") from None
 
 
-def _init_spawned_worker(started, devices: list[str], builders: bytes, settings: TrainSettings, data: bytes,
-                         threads: int) -> None:
+def _init_spawned_worker(parent: int | None, started, devices: list[str], builders: bytes, settings: TrainSettings,
+                         data: bytes, threads: int) -> None:
     """(spawned worker) take the next worker number's device, unpack builders and data once."""
     import pickle
 
+    die_with_parent(parent)
     with started.get_lock():
         number = started.value
         started.value += 1
@@ -258,7 +292,7 @@ class ProcessRuntime:
             self.channels = PipeChannels()
             context = mp.get_context("spawn")
             self.pool = context.Pool(self.workers, initializer=_init_spawned_worker,
-                                     initargs=(context.Value("i", 0), [str(d) for d in self.devices],
+                                     initargs=(os.getpid(), context.Value("i", 0), [str(d) for d in self.devices],
                                                pack_builders(build, builds, model_keys), settings,
                                                transport.dumps(data), self.threads))
         else:
@@ -269,7 +303,7 @@ class ProcessRuntime:
                               f"workers with threads={self.threads} may hang (use threads=1)", RuntimeWarning,
                               stacklevel=2)
             self.pool = mp.get_context("fork").Pool(self.workers, initializer=_init_worker,
-                                                    initargs=(self.channels, build, settings, data, self.threads,
+                                                    initargs=(self.channels, os.getpid(), build, settings, data, self.threads,
                                                               builds, model_keys))
         self.broken = False  # a stream was abandoned: workers may wait on slots forever
         # Custom-predict evaluations (closures over algorithm state) stay in this process.
