@@ -127,23 +127,29 @@ def cell_colours(ax, image, pixels: np.ndarray) -> np.ndarray:
     return colours
 
 
+def reported_comparison(root: Path, seeds: list[int], report) -> tuple[list, FigureLog, object]:
+    """fedavg and local over `seeds` in `root` (one torch thread), their seed table, then
+    `report(root)` with every figure it saves logged: (records, figure log, what report returned)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log = FigureLog()
+    try:
+        records = run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS], seeds,
+                                 log=lambda _: None)
+        write_seed_table(root, records)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(plots, "save_figure", log.save(plots.save_figure))
+            reported = report(root)
+    finally:
+        torch.set_num_threads(threads)
+    return records, log, reported
+
+
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     """fedavg and local, seeds 0 and 1, and the comparison report, with every saved figure logged."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("report") / "cmp"
-    records = run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS], list(SEEDS),
-                             log=lambda _: None)
-    write_seed_table(root, records)
-    log = FigureLog()
-    patch = pytest.MonkeyPatch()
-    patch.setattr(plots, "save_figure", log.save(plots.save_figure))
-    try:
-        written = report_comparison(root)
-    finally:
-        patch.undo()
-        torch.set_num_threads(threads)
+    records, log, written = reported_comparison(root, list(SEEDS), report_comparison)
     page = written[-1]
     return {"root": root, "written": written, "page": page, "parsed": Page(page.read_text()), "figures": log,
             "records": records}
@@ -357,21 +363,16 @@ def one_seed(tmp_path_factory):
 
     from pfedkit.cli import main
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("one-seed") / "cmp"
-    try:
-        write_seed_table(root, run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS],
-                                              [0], log=lambda _: None))
-        log, printed = FigureLog(), io.StringIO()
-        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-            patch.setattr(plots, "save_figure", log.save(plots.save_figure))
+    def report_printed(root: Path) -> str:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
             assert main(["report", str(root)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+        return printed.getvalue()
+
+    root = tmp_path_factory.mktemp("one-seed") / "cmp"
+    _, log, printed = reported_comparison(root, [0], report_printed)
     page = root / "report" / "index.html"
-    return {"root": root, "page": page, "parsed": Page(page.read_text()), "figures": log,
-            "printed": printed.getvalue()}
+    return {"root": root, "page": page, "parsed": Page(page.read_text()), "figures": log, "printed": printed}
 
 
 def test_one_seed_page_shows_values_not_a_spread(one_seed):
