@@ -127,14 +127,16 @@ def cell_colours(ax, image, pixels: np.ndarray) -> np.ndarray:
     return colours
 
 
-def reported_comparison(root: Path, seeds: list[int], report) -> tuple[list, FigureLog, object]:
-    """fedavg and local over `seeds` in `root` (one torch thread), their seed table, then
-    `report(root)` with every figure it saves logged: (records, figure log, what report returned)."""
+def reported_comparison(root: Path, seeds: list[int], report, config: dict = CONFIG,
+                        methods: tuple[str, ...] = METHODS) -> tuple[list, FigureLog, object]:
+    """`methods` (default fedavg and local) over `seeds` in `root` (one torch thread), their seed
+    table, then `report(root)` with every figure it saves logged: (records, figure log, what report
+    returned)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     log = FigureLog()
     try:
-        records = run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS], seeds,
+        records = run_comparison(root, [Entry(name, {**config, "algorithm": name}) for name in methods], seeds,
                                  log=lambda _: None)
         write_seed_table(root, records)
         with pytest.MonkeyPatch.context() as patch:
@@ -161,8 +163,9 @@ def test_comparison_table_shows_the_headline_columns_without_index_or_group(comp
     visible = [t for t in comparison["parsed"].tables if not t["collapsed"]]
     assert len(visible) == 1
     header = visible[0]["header"]
-    # no index column, no `group`; `new_clients` only where runs evaluated clients that never trained
-    assert header == ["method", "seeds", *(c for c in HEADLINE_COLUMNS if c != "new_clients")]
+    # no index column, no `group`; `new_clients` only where runs evaluated clients that never trained,
+    # `epsilon` only where runs had dp
+    assert header == ["method", "seeds", *(c for c in HEADLINE_COLUMNS if c not in ("new_clients", "epsilon"))]
     assert [row[0] for row in visible[0]["rows"][1:]] == list(METHODS)
     # every cell is "mean ± std", the accuracies in % (a fraction would read 0.xx)
     best = [float(row[2].split(" ± ")[0]) for row in visible[0]["rows"][1:]]
@@ -193,6 +196,17 @@ def test_more_columns_names_exactly_the_columns_it_shows(comparison):
     (named,) = re.findall(r"<summary>More columns: (.*?) \(", text)
     (collapsed,) = [t for t in comparison["parsed"].tables if t["collapsed"]]
     assert named.split(", ") == collapsed["header"][2:]  # e.g. no "epsilon" without a dp run
+
+
+def test_a_dp_comparison_shows_epsilon_among_the_headline_columns_as_compare_prints_it(tmp_path):
+    pytest.importorskip("dp_accounting")
+    root = tmp_path / "cmp"
+    _, _, written = reported_comparison(root, [0], report_comparison, {**CONFIG, "dp": {"level": "client"}},
+                                        ("fedavg", "fedper"))
+    (visible,) = [t for t in Page(written[-1].read_text()).tables if not t["collapsed"]]
+    assert visible["header"][2:5] == ["best", "last5", "epsilon"]
+    epsilon = float(pd.read_csv(root / "table.csv")["epsilon_mean"][0])
+    assert visible["rows"][1][4] == f"{epsilon:.3f}"  # one seed: the value alone
 
 
 def test_tables_drop_the_index_and_empty_columns():

@@ -34,9 +34,10 @@ from pfedkit.report.run_report import (ACCURACY_AXIS, ACCURACY_NOTE, CLIENT_BAND
                                        report_run)
 from pfedkit.report.run_settings import settings_words
 
-# The columns `pfedkit compare` prints; the page shows the others collapsed, so the table fits.
-HEADLINE_COLUMNS = ("best", "last5", "new_clients", "best_unweighted", "last5_unweighted", "worst_client", "MB_per_round",
-                    "s_per_round")
+# The columns `pfedkit compare` prints (new_clients and epsilon where a run has them); the page
+# shows the others collapsed, so the table fits.
+HEADLINE_COLUMNS = ("best", "last5", "new_clients", "epsilon", "best_unweighted", "last5_unweighted", "worst_client",
+                    "MB_per_round", "s_per_round")
 PAPER_HEADLINE = ("column", "method", "metric", "ours", "seeds", "paper", "diff", "rank ours / paper", "order")
 # A method's own figure: these round_table columns, each over its seeds.
 METHOD_CURVES = (("sample-weighted", "acc_weighted"), ("unweighted", "acc_mean"), ("worst client", "acc_worst"))
@@ -193,8 +194,9 @@ def tables_section(root: Path) -> list[Section]:
     sections = []
     if (root / "paper.csv").is_file():
         paper = pd.read_csv(root / "paper.csv")
-        sections.append(Section("Beside the paper", "accuracies in %; ours: mean ± std over seeds; diff = ours - "
-                                "paper in points; order ≠: the method's rank differs from the paper's",
+        sections.append(Section("Beside the paper", "accuracies in %; ours: mean over seeds ± the spread the paper "
+                                "prints (over seeds, or across clients: see About); diff = ours - paper in points; "
+                                "order ≠: the method's rank differs from the paper's",
                                 tables=[paper_cells(paper)]))
         sections.append(Section("Beside the paper: every column of paper.csv", tables=[paper], collapsed=True))
     if (root / "table.csv").is_file():
