@@ -292,12 +292,13 @@ def cmd_report(ns: argparse.Namespace) -> int:
         written = report_comparison(target) if is_comparison(target) else report_run(target)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
+    page, parts = written[-1], "the page, its figures" + (" and each run's report" if is_comparison(target) else "")
     if options.get("tensorboard"):
         from pfedkit.report.tensorboard import write_events_of
 
         written += write_events_of(target)
-    for path in written:
-        print(path)
+        parts += f", TensorBoard events in {target / 'report' / 'tensorboard'}"
+    print(f"{page} ({len(written)} files written: {parts})")  # the page to open, not every path
     return 0
 
 

@@ -279,7 +279,8 @@ def finish_summary(run_dir: Path, state: SimState, config: Config, data: Federat
                     "partition": config.partition.scheme, "backend": backend or config.backend,
                     "device": device,
                     "seconds": round(state.seconds, 3),
-                    "sec_per_round": round(state.seconds / max(1, state.round), 4),
+                    "sec_per_round": round(state.seconds_per_round(), 4),  # after each process's first round
+                    "sec_first_round": round(state.seconds_first_round() or 0.0, 4),
                     "run_dir": str(run_dir)})
     if budget is not None:  # dp: the guarantee of the rounds done (docs/privacy.md)
         summary.update(budget.summary(state.rows, state.round, config.rounds))

@@ -5,6 +5,7 @@ showing the whole resolved config."""
 from __future__ import annotations
 
 import html
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -96,38 +97,61 @@ class FigureLog:
     def save(self, original):
         def capture(fig, path):
             fig.canvas.draw()
+            pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3] / 255
             for ax in fig.axes:
                 low, high = sorted(ax.get_xlim())
                 ylow, yhigh = sorted(ax.get_ylim())
                 self.axes.append({
                     "file": Path(path).name, "title": ax.get_title(), "xlabel": ax.get_xlabel(),
-                    "ylabel": ax.get_ylabel(),
+                    "ylabel": ax.get_ylabel(), "suptitle": fig.get_suptitle(),
                     "xticks": [t for t in ax.get_xticks() if low <= t <= high],
-                    "yticks": [t for t in ax.get_yticks() if ylow <= t <= yhigh],
+                    "yticks": [t for t in ax.get_yticks() if ylow <= t <= yhigh], "ylim": (ylow, yhigh),
                     "lines": [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()
                               if line.get_label() and not line.get_label().startswith("_")],
-                    "images": [np.asarray(image.get_array(), dtype=float) for image in ax.get_images()]})
+                    "bands": len(ax.collections),  # fill_between areas (line and band plots)
+                    "images": [np.asarray(image.get_array(), dtype=float) for image in ax.get_images()],
+                    "cell_colours": [cell_colours(ax, image, pixels) for image in ax.get_images()]})
             return original(fig, path)
         return capture
+
+
+def cell_colours(ax, image, pixels: np.ndarray) -> np.ndarray:
+    """What a reader sees of each cell of a heatmap: the mean RGB (0-1) of a 7 x 7 pixel patch at
+    the cell's centre, as rendered. [rows, cols, 3]."""
+    values = np.asarray(image.get_array(), dtype=float)
+    colours = np.zeros(values.shape + (3,))
+    for row, col in np.ndindex(values.shape):
+        x, y = ax.transData.transform((col, row))
+        px, py = int(round(x)), int(round(pixels.shape[0] - y))
+        colours[row, col] = pixels[py - 3:py + 4, px - 3:px + 4].reshape(-1, 3).mean(0)
+    return colours
+
+
+def reported_comparison(root: Path, seeds: list[int], report, config: dict = CONFIG,
+                        methods: tuple[str, ...] = METHODS) -> tuple[list, FigureLog, object]:
+    """`methods` (default fedavg and local) over `seeds` in `root` (one torch thread), their seed
+    table, then `report(root)` with every figure it saves logged: (records, figure log, what report
+    returned)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    log = FigureLog()
+    try:
+        records = run_comparison(root, [Entry(name, {**config, "algorithm": name}) for name in methods], seeds,
+                                 log=lambda _: None)
+        write_seed_table(root, records)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(plots, "save_figure", log.save(plots.save_figure))
+            reported = report(root)
+    finally:
+        torch.set_num_threads(threads)
+    return records, log, reported
 
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     """fedavg and local, seeds 0 and 1, and the comparison report, with every saved figure logged."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("report") / "cmp"
-    records = run_comparison(root, [Entry(name, {**CONFIG, "algorithm": name}) for name in METHODS], list(SEEDS),
-                             log=lambda _: None)
-    write_seed_table(root, records)
-    log = FigureLog()
-    patch = pytest.MonkeyPatch()
-    patch.setattr(plots, "save_figure", log.save(plots.save_figure))
-    try:
-        written = report_comparison(root)
-    finally:
-        patch.undo()
-        torch.set_num_threads(threads)
+    records, log, written = reported_comparison(root, list(SEEDS), report_comparison)
     page = written[-1]
     return {"root": root, "written": written, "page": page, "parsed": Page(page.read_text()), "figures": log,
             "records": records}
@@ -139,8 +163,9 @@ def test_comparison_table_shows_the_headline_columns_without_index_or_group(comp
     visible = [t for t in comparison["parsed"].tables if not t["collapsed"]]
     assert len(visible) == 1
     header = visible[0]["header"]
-    # no index column, no `group`; `new_clients` only where runs evaluated clients that never trained
-    assert header == ["method", "seeds", *(c for c in HEADLINE_COLUMNS if c != "new_clients")]
+    # no index column, no `group`; `new_clients` only where runs evaluated clients that never trained,
+    # `epsilon` only where runs had dp
+    assert header == ["method", "seeds", *(c for c in HEADLINE_COLUMNS if c not in ("new_clients", "epsilon"))]
     assert [row[0] for row in visible[0]["rows"][1:]] == list(METHODS)
     # every cell is "mean ± std", the accuracies in % (a fraction would read 0.xx)
     best = [float(row[2].split(" ± ")[0]) for row in visible[0]["rows"][1:]]
@@ -157,6 +182,31 @@ def test_the_other_columns_are_collapsed_and_none_is_empty(comparison):
         assert "group" not in table["header"] and "" not in table["header"]
         for position in range(len(table["header"])):
             assert any(row[position] not in ("", "-") for row in table["rows"][1:])
+
+
+def test_the_page_says_what_was_compared(comparison):
+    about = html.unescape(comparison["page"].read_text()).split("About", 1)[1].split("Results", 1)[0]
+    for fact in ("dataset: digits (model mlp)", "clients: 4", "partition: dirichlet (alpha 0.5)", "rounds: 3",
+                 "local training: 1 epoch, batch 20, lr 0.05", "seeds 0, 1"):
+        assert fact in about, (fact, about)
+
+
+def test_more_columns_names_exactly_the_columns_it_shows(comparison):
+    text = html.unescape(comparison["page"].read_text())
+    (named,) = re.findall(r"<summary>More columns: (.*?) \(", text)
+    (collapsed,) = [t for t in comparison["parsed"].tables if t["collapsed"]]
+    assert named.split(", ") == collapsed["header"][2:]  # e.g. no "epsilon" without a dp run
+
+
+def test_a_dp_comparison_shows_epsilon_among_the_headline_columns_as_compare_prints_it(tmp_path):
+    pytest.importorskip("dp_accounting")
+    root = tmp_path / "cmp"
+    _, _, written = reported_comparison(root, [0], report_comparison, {**CONFIG, "dp": {"level": "client"}},
+                                        ("fedavg", "fedper"))
+    (visible,) = [t for t in Page(written[-1].read_text()).tables if not t["collapsed"]]
+    assert visible["header"][2:5] == ["best", "last5", "epsilon"]
+    epsilon = float(pd.read_csv(root / "table.csv")["epsilon_mean"][0])
+    assert visible["rows"][1][4] == f"{epsilon:.3f}"  # one seed: the value alone
 
 
 def test_tables_drop_the_index_and_empty_columns():
@@ -231,6 +281,49 @@ def test_heatmap_ticks_are_whole_numbers(tmp_path, monkeypatch):
         assert all(float(t).is_integer() for t in ax["xticks"] + ax["yticks"]), (ax["xticks"], ax["yticks"])
 
 
+# ---- the comparison's figures ---------------------------------------------------------------------
+
+def axes_of(figures: FigureLog, file: str) -> list[dict]:
+    return [ax for ax in figures.axes if ax["file"] == file]
+
+
+def test_all_methods_together_are_lines_and_client_bands_get_one_panel_each(comparison):
+    (overview,) = axes_of(comparison["figures"], "all_seeds.png")
+    assert overview["bands"] == 0 and len(overview["lines"]) == len(METHODS)  # seed means, no overlapping bands
+    spread = axes_of(comparison["figures"], "all_clients.png")
+    assert [ax["title"] for ax in spread] == list(METHODS)
+    assert all(ax["bands"] == 1 and len(ax["lines"]) == 1 for ax in spread)  # its own band; others grey, unlabelled
+    assert len({ax["ylim"] for ax in spread}) == 1
+
+
+def test_per_method_figures_share_one_y_range(comparison):
+    figures = [axes_of(comparison["figures"], f"all_{method}_seeds.png")[0] for method in METHODS]
+    assert len({ax["ylim"] for ax in figures}) == 1
+    low, high = figures[0]["ylim"]
+    assert all(low <= np.nanmin(line) and np.nanmax(line) <= high for ax in figures for line in ax["lines"])
+
+
+def test_comparison_figures_fill_the_page_width(comparison):
+    page_width = int(re.search(r"max-width:(\d+)px", comparison["page"].read_text()).group(1))
+    for png in (comparison["root"] / "report").glob("*.png"):
+        width = int.from_bytes(png.read_bytes()[16:20], "big")  # the PNG header's IHDR width
+        assert width >= 0.85 * page_width, (png.name, width, page_width)
+
+
+def test_heatmap_cells_without_value_are_hatched_grey_not_a_colour_of_the_scale(tmp_path, monkeypatch):
+    log = FigureLog()
+    monkeypatch.setattr(plots, "save_figure", log.save(plots.save_figure))
+    matrix = np.array([[0.0, np.nan, 100.0], [50.0, 100.0, 25.0], [75.0, 10.0, np.nan]])
+    plots.heatmaps_side_by_side([matrix], ["accuracy"], tmp_path / "h.png", "t", "class", "client", vmax=100.0)
+    (ax,) = [ax for ax in log.axes if ax["images"]]
+    colours = ax["cell_colours"][0]
+    missing, present = colours[np.isnan(matrix)], colours[~np.isnan(matrix)]
+    assert np.abs(missing[0] - missing[1]).max() < 0.05  # every missing cell looks alike
+    for colour in missing:
+        assert np.linalg.norm(colour - 1.0) > 0.2, colour  # not white (the page's background)
+        assert np.linalg.norm(present - colour, axis=1).min() > 0.2, colour  # nor a colour of the scale
+
+
 # ---- every seed, and links to each run's own report -----------------------------------------------
 
 def test_every_seed_gets_its_figures_on_the_comparison_page(comparison):
@@ -272,3 +365,42 @@ def test_run_page_shows_the_whole_resolved_config(tmp_path, one_torch_thread):
     summary = next(t for t in parsed.tables if "best_acc" in t["header"])
     assert summary["header"][0] == "best_acc"  # no index column
     assert float(summary["rows"][1][0]) == pytest.approx(100 * result.summary["best_acc"], abs=0.01)
+
+
+# ---- one seed, and what `pfedkit report` prints ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_seed(tmp_path_factory):
+    """fedavg and local with seed 0 only, reported through the command line (its output kept)."""
+    import contextlib
+    import io
+
+    from pfedkit.cli import main
+
+    def report_printed(root: Path) -> str:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["report", str(root)]) == 0
+        return printed.getvalue()
+
+    root = tmp_path_factory.mktemp("one-seed") / "cmp"
+    _, log, printed = reported_comparison(root, [0], report_printed)
+    page = root / "report" / "index.html"
+    return {"root": root, "page": page, "parsed": Page(page.read_text()), "figures": log, "printed": printed}
+
+
+def test_one_seed_page_shows_values_not_a_spread(one_seed):
+    tables = one_seed["parsed"].tables
+    assert tables and all("±" not in cell for table in tables for row in table["rows"] for cell in row)
+    text = html.unescape(one_seed["page"].read_text())
+    assert "Results (one seed)" in text and "mean ± std" not in text
+    titles = [ax["title"] for ax in one_seed["figures"].axes if ax["file"].startswith("all_")]
+    assert titles and not any("min-max over seeds" in title or "over seeds 0" in title for title in titles)
+    assert all(f"{method}: seed 0" in titles for method in METHODS)
+
+
+def test_report_prints_the_page_and_a_count_not_every_file(one_seed):
+    lines = one_seed["printed"].splitlines()
+    written = list(one_seed["root"].rglob("report/*"))  # the comparison's and each run's report files
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(str(one_seed["page"])) and f"{len(written)} files" in lines[0], (lines, len(written))

@@ -318,6 +318,7 @@ class Simulation:
         # Only these are ever sampled, asked for reports or aggregated; with no new clients, all.
         self.is_new = frozenset(self.new_clients)
         self.training_clients = [cid for cid in range(data.num_clients) if cid not in self.is_new]
+        self.timed_a_round = False  # see SimState.startup_seconds
 
     def _new_clients(self, count: int, finetune: int) -> list[int]:
         """The clients kept out of training, or a one-line ConfigError where they cannot be evaluated."""
@@ -395,6 +396,10 @@ class Simulation:
         state.rows.extend(self._rows(rnd, cids, messages, reported, reply_bytes, stats, evals))
         state.round = rnd
         state.seconds += evaluated - started
+        if not self.timed_a_round:  # this process's first round: start-up costs, kept apart
+            self.timed_a_round = True
+            state.startup_seconds += evaluated - started
+            state.startup_rounds += 1
         known = [e for cid, e in evals.items() if cid not in self.is_new]  # the participants' side only
         weighted = (sum(e.correct for e in known) / max(1, sum(e.n_test for e in known))
                     if evals else None)

@@ -3,7 +3,7 @@
 Layout of a comparison directory:
     comparison.json   the manifest: entries (label, group, algorithm, run directory per seed), seeds
     runs/<label>-s<seed>/   one ordinary run directory per (entry, seed) (see pfedkit.runs)
-    table.csv, table.md     mean ± std over seeds of every summary number (written by the caller)
+    table.csv, table.md     mean ± std over seeds of every summary number, one seed: its value (written by the caller)
 Every entry runs on the same partition and client-sampling stream for a given seed, because both
 derive from the seed alone. Running the same request again reuses finished runs, resumes a half
 run from its checkpoint, and refuses a directory whose runs were made with other settings.
@@ -288,11 +288,13 @@ def seed_table(records: list[RunRecord]) -> pd.DataFrame:
     return table
 
 
-def format_cell(mean: float, std: float, percent: bool) -> str:
+def format_cell(mean: float, std: float, percent: bool, seeds: int) -> str:
+    """"mean ± std" over `seeds` seeds; with one seed the value alone (its std, 0, says nothing)."""
     if np.isnan(mean):
         return "-"
     scale, digits = (100, 2) if percent else (1, 3)
-    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+    value = f"{scale * mean:.{digits}f}"
+    return value if seeds <= 1 or np.isnan(std) else f"{value} ± {scale * std:.{digits}f}"
 
 
 def markdown_table(table: pd.DataFrame, columns: tuple[str, ...] = tuple(SUMMARY_COLUMNS)) -> str:
@@ -305,22 +307,40 @@ def markdown_table(table: pd.DataFrame, columns: tuple[str, ...] = tuple(SUMMARY
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (group, label), row in table.iterrows():
         cells = ([label] if not any(groups) else [group, label]) + [str(int(row["seeds"]))]
-        cells += [format_cell(row[f"{c}_mean"], row[f"{c}_std"], c in PERCENT_COLUMNS) for c in columns]
+        cells += [format_cell(row[f"{c}_mean"], row[f"{c}_std"], c in PERCENT_COLUMNS, int(row["seeds"]))
+                  for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-TABLE_NOTE = ("mean ± std over seeds (population std, ddof=0); accuracies in %: best = best round "
-              "(chosen on test data, optimistic), last5 = mean of the last 5 evaluated rounds, weighted by "
-              "test samples unless _unweighted; worst_client, many/medium/few: last evaluated round; "
-              "MB_per_round: bytes up + down of all clients; s_per_round: wall time.")
+SPREAD_NOTE = "mean ± std over seeds (population std, ddof=0; a method with one seed: its value alone); "
+ONE_SEED_NOTE = "one seed: each cell is that run's value; "
+TABLE_NOTE = ("accuracies in %: best = best round (chosen on test data, optimistic), last5 = mean of the last 5 "
+              "evaluated rounds, weighted by test samples unless _unweighted; worst_client, many/medium/few: last "
+              "evaluated round; MB_per_round: bytes up + down of all clients; s_per_round: wall time of a round "
+              "(training and evaluation), the mean over the rounds after the first, which pays one-off start-up "
+              "(imports, warm-up; summary.json's sec_first_round).")
+EPSILON_NOTE = (" epsilon: the (epsilon, dp.delta) guarantee of a run with dp after its rounds (summary.json's "
+                "epsilon and delta).")
+
+
+def one_seed(table: pd.DataFrame) -> bool:
+    """Every row of a seed table (or of table.csv read back) holds one seed."""
+    return bool((table["seeds"] <= 1).all())
+
+
+def table_note(table: pd.DataFrame) -> str:
+    """What the cells of `table` are: the spread over seeds (or one seed's values), the columns, and
+    the optional columns it has."""
+    note = (ONE_SEED_NOTE if one_seed(table) else SPREAD_NOTE) + TABLE_NOTE
+    note += NEW_CLIENTS_NOTE if "new_clients_mean" in table else ""
+    return note + (EPSILON_NOTE if "epsilon_mean" in table else "")
 
 
 def write_seed_table(out_dir: Path, records: list[RunRecord]) -> pd.DataFrame:
     table = seed_table(records)
     atomic_write_text(out_dir / "table.csv", table.to_csv())
-    note = TABLE_NOTE + (NEW_CLIENTS_NOTE if "new_clients_mean" in table else "")
-    atomic_write_text(out_dir / "table.md", markdown_table(table) + "\n\n" + note + "\n")
+    atomic_write_text(out_dir / "table.md", markdown_table(table) + "\n\n" + table_note(table) + "\n")
     return table
 
 

@@ -92,7 +92,7 @@ def client_heatmaps(run_dir: Path, out_dir: Path, title: str) -> list[Path]:
         with np.errstate(invalid="ignore", divide="ignore"):
             accuracy = PERCENT * arrays["class_correct"] / arrays["class_total"]
         written.append(heatmaps_side_by_side([accuracy], ["test accuracy per class in % (last evaluation; "
-                                                          "blank: no test samples)"],
+                                                          "hatched grey: no test samples)"],
                                              out_dir / "clients_class_accuracy.png", title, "class", "client",
                                              vmax=PERCENT))
     return written
