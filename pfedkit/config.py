@@ -306,11 +306,36 @@ def parse_override_value(key: str, raw: str) -> Any:
     if raw == "":
         return None
     try:
-        return yaml.safe_load(raw)
+        return parse_yaml(raw)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{key.strip()}={raw}: the value is not valid YAML ({yaml_problem(err)}); "
+        shown = raw if len(raw) <= 80 else f"{raw[:60]}... ({len(raw):,} characters)"
+        raise ConfigError(f"{key.strip()}={shown}: the value is not valid YAML ({yaml_problem(err)}); "
                           "quote it in the shell as a whole, e.g. 'lr=0.01' or "
                           "'client_model_options={\"0-6\": {\"c2\": 18}}'") from None
+
+
+def parse_yaml(text: str) -> Any:
+    """yaml.safe_load, failing only with YAMLError: PyYAML's parser recurses once per nesting
+    level, so a document nested some thousand levels deep raises RecursionError, reported here as
+    a YAMLError like any other unreadable document."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise yaml.YAMLError("nested deeper than the YAML reader can follow (about 1,000 levels); "
+                             "flatten it") from None
+
+
+def read_yaml_file(path: Path, what: str) -> Any:
+    """The YAML document in the file at `path`; `what` names it in the one-line ConfigError for a
+    file that cannot be read, is not UTF-8 text, or is not YAML."""
+    try:
+        return parse_yaml(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what}: not valid YAML ({yaml_problem(err)})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what}: not UTF-8 text (byte {err.start}: {err.reason}); expected a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"{what} cannot be read ({err.strerror or err})") from None
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:
@@ -341,6 +366,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
     the file or overrides gave (not for `expected_sections`: `compare` passes its algorithms)."""
     data = _read_source(source)
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    check_keys_and_text(extra, "overrides" if isinstance(overrides, list) else "config")
     data = deep_merge(data, extra)
     given = dict(data)
     if data.get("preset") is not None:  # the preset is the base; the file and overrides win over it
@@ -451,26 +477,60 @@ def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, dict):
+        check_keys_and_text(source, "config")
         return dict(source)
     path = Path(source)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise ConfigError(f"config file {path.absolute()} {what}; expected a YAML file (or key=value overrides)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path}: not valid YAML at {yaml_problem(err)}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path.absolute()} cannot be read ({err.__class__.__name__}: "
-                          f"{getattr(err, 'strerror', None) or err})") from None
+    data = read_yaml_file(path, f"config file {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    check_keys_and_text(data, f"config file {path}")
     return data
 
 
+def check_keys_and_text(data: dict[str, Any], where: str) -> None:
+    """ConfigError (one line, starting with `where`) for a key that is not a name (YAML reads
+    `1: 2` as the number 1; only client_model_options' keys may be client numbers) and for text
+    holding a lone surrogate (YAML's "\\ud800"), which no file name or file can hold."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            _check_text(value, path, where)
+        elif isinstance(value, (list, tuple)):
+            pending += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    _check_text(key, f"{path}{key}", where)
+                elif path != "client_model_options.":
+                    raise ConfigError(f"{where}: key {path}{key!r} is not a name (YAML read it as "
+                                      f"{type(key).__name__}); keys are names such as rounds or lr (pfedkit config "
+                                      "lists them)")
+                pending.append((f"{path}{key}.", item))
+
+
+def _check_text(text: str, path: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where}: {path.rstrip('.') or 'a key'}: {text!r} holds a lone surrogate, which is not "
+                          "text any file or folder name can hold; write it with ordinary characters") from None
+
+
+# The largest float32: training computes in float32 (bf16 autocast has the same range), so a
+# setting beyond it cannot even be handed to the optimiser (lr=1e308: torch's "value cannot be
+# converted to type float without overflow"). Values within it that still blow the weights up
+# end as TrainingDiverged (exit 3).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_finite(config: Config) -> None:
-    """Refuse NaN and infinite numbers anywhere in the config (lr=inf, fedprox.mu=.nan): YAML and
-    pydantic accept them, and a run would train to NaN without a word."""
+    """Refuse NaN, infinite numbers and numbers beyond float32's range anywhere in the config
+    (lr=inf, fedprox.mu=.nan, lr=1e308): YAML and pydantic accept them, and a run would train to
+    NaN without a word, or stop in the optimiser with a traceback."""
     import math
 
     values = {**config.model_dump(), **{name: config.hyper(name).model_dump() for name in config.model_extra or {}}}
@@ -481,9 +541,12 @@ def check_finite(config: Config) -> None:
             pending += [(f"{key}.{inner}", item) for inner, item in value.items()]
         elif isinstance(value, (list, tuple)):
             pending += [(f"{key}[{index}]", item) for index, item in enumerate(value)]
-        elif isinstance(value, float) and not math.isfinite(value):
+        elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
             field = Config.model_fields.get(key)
             default = f" (default {field.default})" if field is not None and isinstance(field.default, float) else ""
+            if math.isfinite(value):
+                raise ConfigError(f"{key}: {value:g} is beyond float32's range (±{FLOAT32_MAX:.2g}), the precision "
+                                  f"training computes in; give a value within it{default}")
             raise ConfigError(f"{key}: {value} is not a finite number; give a finite value{default}")
 
 
