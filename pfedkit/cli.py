@@ -10,6 +10,7 @@ import errno
 import os
 import textwrap
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -48,11 +49,28 @@ def check_writable_dir(path: Path, what: str, given: Path | None = None, fix: st
     path = path.absolute()
     shown = (given or path).absolute()
     fix = fix or f"choose another {what}"
-    existing = next(p for p in (path, *path.parents) if p.exists())  # the root always exists
+    existing = nearest_existing(path, what, shown, fix)
     if not existing.is_dir():
         raise ConfigError(f"{what} {shown}: {existing} is a file, not a folder; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {shown}: {existing} is not writable (permissions or a read-only file system); {fix}")
+    try:  # permission bits are not the whole story: /proc, or root on a file system that refuses
+        os.rmdir(tempfile.mkdtemp(prefix=".pfedkit-probe-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"{what} {shown}: no folder can be made in {existing} ({err.strerror}); {fix}") from None
+
+
+def nearest_existing(path: Path, what: str, shown: Path, fix: str) -> Path:
+    """The nearest of `path` and its parents that exists (the root always does); ConfigError when
+    a symbolic link on the way leads nowhere (a loop, or a missing target): nothing can be made
+    behind it."""
+    for part in (path, *path.parents):
+        if part.exists():
+            return part
+        if part.is_symlink():
+            raise ConfigError(f"{what} {shown}: {part} is a symbolic link leading nowhere (a loop or a missing "
+                              f"target); {fix}")
+    return Path(path.anchor)
 
 
 def check_writable_file(path: Path, what: str) -> None:

@@ -38,7 +38,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_app_directory(directory: Path, what: str) -> None:
+    """The app directory must be a folder that can be made or written (not a file): checked
+    before Flower is needed and before anything is written."""
+    from pfedkit.cli import check_writable_dir
+
+    check_writable_dir(directory, what)
+
+
 def cmd_app(ns: argparse.Namespace) -> int:
+    _check_app_directory(Path(ns.directory), "flower app directory")
     _require_flower()
     from pfedkit.flower.deploy import write_app
 
@@ -63,6 +72,7 @@ def cmd_local(ns: argparse.Namespace) -> int:
     if config.name is None:
         config = config.model_copy(update={"name": f"flower-{config.algorithm}-{file_label(config.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"})
     home = Path(ns.app or Path(config.out_dir) / f"{config.name}-app")
+    _check_app_directory(home, "--app" if ns.app else "out_dir")
     tls = make_certificates(home / "certs", nodes=config.num_clients) if ns.tls else None
     deployment = LocalDeployment(home, config.num_clients, data_dir=config.data_dir, tls=tls)
     deployment.write_app(config)
@@ -83,6 +93,7 @@ def cmd_certs(ns: argparse.Namespace) -> int:
     _require_flower()
     from pfedkit.flower.certificates import make_certificates
 
+    _check_app_directory(Path(ns.directory), "certificate directory")
     ns.host = ns.host or ["127.0.0.1", "localhost"]
     files = make_certificates(ns.directory, nodes=ns.nodes, hosts=tuple(ns.host))
     print(f"CA {files.ca_cert}; SuperLink certificate {files.server_cert} (for {', '.join(ns.host)}), key "
