@@ -1,6 +1,7 @@
 """`pfedkit flower simulate | app | local | certs` (README, "Beyond one machine").
 
-Flower is imported only when a command runs, so `pfedkit` works without the `flower` extra.
+Flower is imported only when a command runs, so `pfedkit` works without the `flower` extra; the
+rest too, since the command line builds this parser for every command (even `--version`).
 """
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from pfedkit.config import load_config, split_config_and_overrides
 from pfedkit.core.errors import ConfigError
-from pfedkit.data.hf import file_label
-from pfedkit.flower.checks import check_flower_config
-from pfedkit.report.summary_table import results_table
 
 
 def _config(items: list[str]):
+    from pfedkit.config import load_config, split_config_and_overrides
+    from pfedkit.flower.checks import check_flower_config
+
     source, overrides = split_config_and_overrides(items)
     return check_flower_config(load_config(source, overrides))
 
@@ -31,6 +31,7 @@ def _require_flower() -> None:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     _require_flower()
     from pfedkit.flower.app import simulate
+    from pfedkit.report.summary_table import results_table
 
     result = simulate(_config(ns.items), quiet=ns.quiet)
     print(results_table([result.summary]))
@@ -65,8 +66,10 @@ def cmd_app(ns: argparse.Namespace) -> int:
 
 def cmd_local(ns: argparse.Namespace) -> int:
     _require_flower()
+    from pfedkit.data.hf import file_label
     from pfedkit.flower.certificates import make_certificates
     from pfedkit.flower.deploy import LocalDeployment
+    from pfedkit.report.summary_table import results_table
 
     config = _config(ns.items)
     if config.name is None:
