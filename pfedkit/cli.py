@@ -1,7 +1,11 @@
-"""Command line: `pfedkit run | compare | tune | reproduce | report | list | bench | flower | data stats | data fetch`
-(see README).
+"""Command line: `pfedkit run | compare | tune | reproduce | report | list | config | bench | flower |
+data stats | data fetch | data export` (see README).
 
-Configuration errors end with one line on stderr naming the key and exit status 2.
+Configuration errors end with one line on stderr naming the key and exit status 2. A command
+imports what it computes with (torch, pandas, matplotlib) only after its input is checked, and
+`list`, `config` and `reproduce --list` never do (names come from pfedkit.catalog), so they and
+every refusal answer at once. A flag that is also a config key takes either spelling
+(`flag_settings`).
 """
 from __future__ import annotations
 
@@ -93,9 +97,6 @@ def _show_warning(previous):
     return show
 
 
-# The commands import what they run (torch, pandas...) only once their input is checked, so that
-# a refused command answers at once (tests/test_startup.py).
-
 def cmd_run(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config, split_config_and_overrides
 
@@ -179,8 +180,10 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         or [load_config(source, overrides)]
     out = Path(ns.out) if ns.out else Path(configs[0].out_dir) / "tune"
     check_writable_dir(out, "--out" if ns.out else "out_dir")
-    from pfedkit.experiments.tuning import tune
+    from pfedkit.experiments.tuning import tune, tuning_base
 
+    for config in configs[1:]:  # every search space checked before the first study starts
+        tuning_base(config, ns.space, log=lambda note: None)
     for config in configs:
         result = tune(config, ns.trials, out, ns.space)
         params = " ".join(f"{key}={value}" for key, value in result.best_params.items())

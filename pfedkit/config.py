@@ -7,6 +7,12 @@ line names the key, says what was wrong and what is allowed (and the closest all
 misspelt one). What runs, but not as written (another algorithm's options, a value lowered to
 what is possible), gives a `ConfigWarning`, which the command line prints as one line. A loaded
 Config holds what is in effect: the resolved model, the running algorithm's section only.
+
+Names (algorithms, their options, models) are checked against `pfedkit.catalog` first, so a
+misspelt key is refused without importing torch; the running algorithm's `Hyper` then validates
+the values. YAML is read through `parse_yaml` / `read_yaml_file`: a file that is not UTF-8 or is
+nested too deeply is a one-line error like invalid YAML. `config_keys` lists every key with its
+default and description (`pfedkit config`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
   `DATASETS` table of data/datasets.py is made of them);
 - the data directory (`data_dir`, else $PFEDKIT_DATA) and the files in it: `<name>/<name>.npz.xz`
   (an xz-wrapped `.npz`, ../shared/datasets/README.md) and SHA256SUMS, read by the loaders and
-  written by `pfedkit data fetch`;
+  written by `pfedkit data fetch` (a SHA256SUMS that is not text, and a symbolic link on a file's
+  path that loops, are DataErrors naming the file or the link);
 - the decode cache (`cache_dir`, else $PFEDKIT_CACHE, else ~/.cache/pfedkit): a file is decoded
   from xz once, and only a decoded file that passes its format's checks is cached, so a bad file
   never sticks there.

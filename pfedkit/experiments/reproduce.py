@@ -25,7 +25,7 @@ from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
                                             read_summary, run_comparison, write_seed_table)
 from pfedkit.experiments.paper_list import data_status, list_paper, list_papers, table_datasets  # noqa: F401
-from pfedkit.experiments.paper_presets import PAPERS, Budget, Column, Paper, Row, Table, load_paper
+from pfedkit.experiments.paper_presets import Budget, Column, Paper, Row, Table, load_paper
 from pfedkit.run_identity import EXECUTION_KEYS, describe_changes, flatten
 
 NOT_IMPLEMENTED = "not implemented"

@@ -5,6 +5,9 @@ spread over clients, client x class heatmaps of the data and of the output layer
 Units: every accuracy on the page is in percent (0-100): the tables and the plots' axes alike
 (metrics.csv and summary.json keep fractions 0-1; the report multiplies by PERCENT). The page
 shows the run's whole config.yaml (the resolved config) in a collapsed block.
+
+metrics.csv and summary.json are read and checked (`read_metrics`, `read_summary`) before any
+figure is written: a damaged one is a one-line error naming it, and no half report is left.
 """
 from __future__ import annotations
 
