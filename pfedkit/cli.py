@@ -1,7 +1,11 @@
-"""Command line: `pfedkit run | compare | tune | reproduce | report | list | bench | flower | data stats | data fetch`
-(see README).
+"""Command line: `pfedkit run | compare | tune | reproduce | report | list | config | bench | flower |
+data stats | data fetch | data export` (see README).
 
-Configuration errors end with one line on stderr naming the key and exit status 2.
+Configuration errors end with one line on stderr naming the key and exit status 2. A command
+imports what it computes with (torch, pandas, matplotlib) only after its input is checked, and
+`list`, `config` and `reproduce --list` never do (names come from pfedkit.catalog), so they and
+every refusal answer at once. A flag that is also a config key takes either spelling
+(`flag_settings`).
 """
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ import errno
 import os
 import textwrap
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
+from pfedkit.catalog import catalog
 from pfedkit.core.backends import BACKENDS
 from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 
@@ -48,11 +55,28 @@ def check_writable_dir(path: Path, what: str, given: Path | None = None, fix: st
     path = path.absolute()
     shown = (given or path).absolute()
     fix = fix or f"choose another {what}"
-    existing = next(p for p in (path, *path.parents) if p.exists())  # the root always exists
+    existing = nearest_existing(path, what, shown, fix)
     if not existing.is_dir():
         raise ConfigError(f"{what} {shown}: {existing} is a file, not a folder; {fix}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {shown}: {existing} is not writable (permissions or a read-only file system); {fix}")
+    try:  # permission bits are not the whole story: /proc, or root on a file system that refuses
+        os.rmdir(tempfile.mkdtemp(prefix=".pfedkit-probe-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"{what} {shown}: no folder can be made in {existing} ({err.strerror}); {fix}") from None
+
+
+def nearest_existing(path: Path, what: str, shown: Path, fix: str) -> Path:
+    """The nearest of `path` and its parents that exists (the root always does); ConfigError when
+    a symbolic link on the way leads nowhere (a loop, or a missing target): nothing can be made
+    behind it."""
+    for part in (path, *path.parents):
+        if part.exists():
+            return part
+        if part.is_symlink():
+            raise ConfigError(f"{what} {shown}: {part} is a symbolic link leading nowhere (a loop or a missing "
+                              f"target); {fix}")
+    return Path(path.anchor)
 
 
 def check_writable_file(path: Path, what: str) -> None:
@@ -75,8 +99,6 @@ def _show_warning(previous):
 
 def cmd_run(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config, split_config_and_overrides
-    from pfedkit.report.summary_table import results_table
-    from pfedkit.runs import run
 
     source, overrides = split_config_and_overrides(ns.items)
     if ns.resume and (source or overrides):
@@ -86,6 +108,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
         check_writable_dir(Path(ns.resume), "--resume")
     else:
         check_writable_dir(Path(config.out_dir), "out_dir")
+    from pfedkit.report.summary_table import results_table
+    from pfedkit.runs import run
+
     result = run(config, resume=ns.resume, quiet=ns.quiet)
     print(results_table([result.summary]))
     print(f"run directory: {result.run_dir}")
@@ -111,16 +136,15 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     from datetime import datetime
 
     from pfedkit.config import load_config, split_config_and_overrides
-    from pfedkit.experiments.comparison import compare_entries, markdown_table, run_comparison, write_seed_table
 
     source, overrides = split_config_and_overrides(ns.items)
-    names = [a.strip() for a in ns.algorithms.split(",") if a.strip()]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--algorithms {ns.algorithms}: a name appears twice")
+    names = algorithm_list(ns.algorithms)
     # Sections of the compared algorithms are expected; any other algorithm's is warned about once.
     base = load_config(source, overrides, expected_sections=names)
     if ns.tuned is not None and not Path(ns.tuned).is_dir():
         raise ConfigError(f"--tuned {ns.tuned}: not a directory; expected a pfedkit tune --out directory")
+    from pfedkit.experiments.comparison import compare_entries, markdown_table, run_comparison, write_seed_table
+
     # --tuned: algorithms with DIR/<algorithm>/best.yaml run with their tuned parameters
     entries, tuned_record = compare_entries(source, overrides, names, ns.tuned)
     out = Path(ns.out) if ns.out else Path(base.out_dir) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
@@ -133,20 +157,40 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     return 0
 
 
+def algorithm_list(text: str) -> list[str]:
+    """`--algorithms a,b` as names; ConfigError for none, a name given twice or an unknown one."""
+    from pfedkit.config import unknown_algorithm
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"--algorithms {text}: expected distinct algorithm names, comma-separated (pfedkit list)")
+    for name in names:
+        if name not in catalog().algorithms:
+            raise ConfigError(f"--algorithms {text}: {unknown_algorithm(name)}")
+    return names
+
+
 def cmd_tune(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config, split_config_and_overrides
-    from pfedkit.experiments.tuning import tune
 
     source, overrides = split_config_and_overrides(ns.items)
-    config = load_config(source, overrides + [f"algorithm={ns.algorithm}"])
-    out = Path(ns.out) if ns.out else Path(config.out_dir) / "tune"
+    names = algorithm_list(ns.algorithms) if ns.algorithms is not None else []
+    # Without --algorithms: the config's algorithm. With several: each is tuned in turn, in OUT/NAME.
+    configs = [load_config(source, overrides + [f"algorithm={name}"], expected_sections=names) for name in names] \
+        or [load_config(source, overrides)]
+    out = Path(ns.out) if ns.out else Path(configs[0].out_dir) / "tune"
     check_writable_dir(out, "--out" if ns.out else "out_dir")
-    result = tune(config, ns.trials, out, ns.space)
-    params = " ".join(f"{key}={value}" for key, value in result.best_params.items())
-    print(f"best of {result.finished} trials: trial {result.best_trial}, validation {100 * result.best_value:.2f}%: "
-          f"{params}")
-    print(f"tuning directory: {result.directory} (best.yaml, best_config.yaml, trials.csv); "
-          f"pfedkit compare CONFIG --tuned {out} --algorithms ... runs the tuned configs over seeds")
+    from pfedkit.experiments.tuning import tune, tuning_base
+
+    for config in configs[1:]:  # every search space checked before the first study starts
+        tuning_base(config, ns.space, log=lambda note: None)
+    for config in configs:
+        result = tune(config, ns.trials, out, ns.space)
+        params = " ".join(f"{key}={value}" for key, value in result.best_params.items())
+        print(f"{config.algorithm}: best of {result.finished} trials: trial {result.best_trial}, validation "
+              f"{100 * result.best_value:.2f}%: {params}")
+        print(f"tuning directory: {result.directory} (best.yaml, best_config.yaml, trials.csv)")
+    print(f"pfedkit compare CONFIG --tuned {out} --algorithms ... runs the tuned configs over seeds")
     return 0
 
 
@@ -163,8 +207,8 @@ def column_positions(text: str) -> list[int]:
 
 def cmd_reproduce(ns: argparse.Namespace) -> int:
     from pfedkit.config import parse_overrides
+    from pfedkit.experiments.paper_list import list_paper, list_papers
     from pfedkit.experiments.paper_presets import PAPERS, load_paper
-    from pfedkit.experiments.reproduce import list_paper, list_papers, reproduce
 
     if ns.list:
         data_dir = parse_overrides(ns.overrides).get("data_dir")  # where --list looks for each table's data
@@ -172,6 +216,8 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
         return 0
     if ns.paper is None:
         raise ConfigError(f"reproduce: name a paper ({', '.join(PAPERS)}); pfedkit reproduce --list shows their tables")
+    from pfedkit.experiments.reproduce import reproduce
+
     out_root = ns.out or parse_overrides(ns.overrides).get("out_dir") or "runs"
     check_writable_dir(Path(str(out_root)), "--out" if ns.out else "out_dir")
     tables = [t.strip() for t in ns.table.split(",")] if ns.table else None
@@ -185,36 +231,35 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
     return 0
 
 
-def algorithm_options(algorithm, detailed: bool) -> str:
-    """An algorithm's options with defaults: one line (`key=default, ...`) or one line per option
-    with its description."""
-    fields = algorithm.Hyper.model_fields
+def algorithm_options(name: str, detailed: bool) -> str:
+    """An algorithm's options with defaults (from the catalog): one line (`key=default, ...`) or
+    one line per option with its description."""
+    entry = catalog().algorithms[name]
     if not detailed:
-        return ", ".join(f"{key}={field.default}" for key, field in fields.items())
-    lines = [f"{algorithm.name}: {algorithm.description}"]
-    lines += [f"  {algorithm.name}.{key}={field.default}  {field.description or ''}".rstrip()
-              for key, field in fields.items()]
-    return "\n".join(lines if fields else lines + ["  (no options)"])
+        return ", ".join(f"{key}={option.default}" for key, option in entry.options.items())
+    lines = [f"{name}: {entry.description}"]
+    lines += [f"  {name}.{key}={option.default}  {option.description}".rstrip()
+              for key, option in entry.options.items()]
+    return "\n".join(lines if entry.options else lines + ["  (no options)"])
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
-    from pfedkit.algorithms import algorithm_names, get_algorithm
     from pfedkit.config import SCHEME_PARAMS, preset_names, preset_summary
     from pfedkit.data.datasets import DATASETS
-    from pfedkit.models import MODELS
 
+    algorithms = catalog().algorithms
     if ns.algorithm:
-        if ns.algorithm not in algorithm_names():
-            raise ConfigError(f"list {ns.algorithm}: unknown algorithm{did_you_mean(ns.algorithm, algorithm_names())}; "
-                              f"allowed: {', '.join(algorithm_names())}")
-        print(algorithm_options(get_algorithm(ns.algorithm), detailed=True))
+        if ns.algorithm not in algorithms:
+            raise ConfigError(f"list {ns.algorithm}: unknown algorithm{did_you_mean(ns.algorithm, algorithms)}; "
+                              f"allowed: {', '.join(algorithms)}")
+        print(algorithm_options(ns.algorithm, detailed=True))
         return 0
     sections = {
         "algorithms (options: ALGORITHM.KEY=VALUE; details: pfedkit list ALGORITHM):":
-            {name: get_algorithm(name).description for name in algorithm_names()},
+            {name: entry.description for name, entry in algorithms.items()},
         "datasets:": {name: info.description for name, info in DATASETS.items()},
         "partitions:": {name: f"parameters: {', '.join(params)}" for name, params in SCHEME_PARAMS.items()},
-        "models:": {name: info.description for name, info in MODELS.items()},
+        "models:": {name: entry.description for name, entry in catalog().models.items()},
         "presets (preset=NAME):": {name: preset_summary(name) for name in preset_names()},
     }
     width = max(len(name) for rows in sections.values() for name in rows)  # one column for every section
@@ -223,25 +268,49 @@ def cmd_list(ns: argparse.Namespace) -> int:
         print(title)
         for name, text in rows.items():
             print(f"  {name:<{width}} {text}")
-            if name in algorithm_names() and title.startswith("algorithms"):
-                options = algorithm_options(get_algorithm(name), detailed=False)
+            if name in algorithms and title.startswith("algorithms"):
+                options = algorithm_options(name, detailed=False)
                 if options:
                     print(textwrap.fill(options, width=100, initial_indent=indent, subsequent_indent=indent))
     return 0
 
 
+def cmd_config(ns: argparse.Namespace) -> int:
+    """Every config key (or those of one section) with its default and description."""
+    from pfedkit.config import config_keys
+
+    rows = config_keys()
+    if ns.key:
+        chosen = [row for row in rows if row[0] == ns.key or row[0].startswith(ns.key + ".")]
+        if not chosen:
+            names = sorted({key for key, _, _ in rows} | {key.split(".")[0] for key, _, _ in rows})
+            raise ConfigError(f"config {ns.key}: no such key or section{did_you_mean(ns.key, names)}; "
+                              "pfedkit config lists them all")
+        rows = chosen
+    settings = [f"{key}={default}" for key, default, _ in rows]
+    width = min(max(len(text) for text in settings), 36)
+    indent = " " * (width + 4)
+    print("config keys with their defaults (in a YAML file, or key=value on the command line; nested keys "
+          "dotted; an algorithm's options: pfedkit list ALGORITHM):")
+    for setting, (_, _, description) in zip(settings, rows):
+        line = f"  {setting:<{width}}  {description}".rstrip()
+        print(textwrap.fill(line, width=110, subsequent_indent=indent) if len(line) > 110 else line)
+    return 0
+
+
 def cmd_data_stats(ns: argparse.Namespace) -> int:
     from pfedkit.config import load_config, split_config_and_overrides
-    from pfedkit.data.federated import split_indices
     from pfedkit.data.hf import file_label
-    from pfedkit.data.stats import client_class_table
-    from pfedkit.federation import config_dataset, split_plan
-    from pfedkit.report.data_plots import client_class_heatmap
 
     source, overrides = split_config_and_overrides(ns.items)
     config = load_config(source, overrides)
     out = Path(ns.out or Path(config.out_dir) / f"data-stats-{file_label(config.dataset)}-{config.partition.scheme}.png")
     check_writable_file(out, "--out" if ns.out else "out_dir")
+    from pfedkit.data.federated import split_indices
+    from pfedkit.data.stats import client_class_table
+    from pfedkit.federation import config_dataset, split_plan
+    from pfedkit.report.data_plots import client_class_heatmap
+
     dataset = config_dataset(config)
     train_index, test_index = split_indices(split_plan(config), dataset)
     table = client_class_table(train_index, test_index, dataset.y, dataset.num_classes)
@@ -263,13 +332,47 @@ def cmd_data_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def flag_settings(ns: argparse.Namespace, items: list[str], flags: dict[str, str],
+                  defaults: dict[str, Any] | None = None) -> list[str]:
+    """Takes the `key=value` items that set one of a command's flags (`flags`: config key -> the
+    flag's dest) onto `ns`, so that `--rounds 5` and `rounds=5` are one setting; returns the other
+    items. A flag given neither way gets its value in `defaults`. ConfigError when both spellings
+    are given with different values."""
+    from pfedkit.config import parse_override_value
+
+    rest = []
+    for item in items:
+        key, _, raw = item.partition("=")
+        dest = flags.get(key.strip())
+        if dest is None:
+            rest.append(item)
+            continue
+        value, flag = parse_override_value(key, raw), getattr(ns, dest)
+        if flag is not None and flag != value:
+            raise ConfigError(f"{item} and --{dest.replace('_', '-')} {flag}: two values for one setting; give one")
+        setattr(ns, dest, value)
+    for dest, default in (defaults or {}).items():
+        if getattr(ns, dest) is None:
+            setattr(ns, dest, default)
+    return rest
+
+
 def cmd_data_fetch(ns: argparse.Namespace) -> int:
     from pfedkit.data.datasets import resolve_data_dir
-    from pfedkit.data.fetch import fetch
+    from pfedkit.data.store import checksum_lines
 
+    unknown = flag_settings(ns, ns.overrides, {"data_dir": "data_dir"})
+    if unknown:
+        raise ConfigError(f"data fetch: {unknown[0]}: not a setting of data fetch; allowed: data_dir=DIR "
+                          "(or --data-dir DIR)")
+    if ns.data_dir is not None:
+        ns.data_dir = str(ns.data_dir)  # data_dir=2024 is a folder name, not a number
     root = resolve_data_dir(ns.data_dir)
     if root is not None:  # refused before any download when the folder cannot be written
         check_writable_dir(root, "--data-dir" if ns.data_dir else "PFEDKIT_DATA")
+        checksum_lines(root)  # and when its SHA256SUMS, which the download is recorded in, is damaged
+    from pfedkit.data.fetch import fetch
+
     print(fetch(ns.name, ns.data_dir, progress=not ns.quiet))
     return 0
 
@@ -302,16 +405,30 @@ def cmd_report(ns: argparse.Namespace) -> int:
     return 0
 
 
+# `pfedkit bench`'s flags that are config keys (key -> flag), and their defaults: each can be given
+# either way (`--clients 5` or `num_clients=5`).
+BENCH_FLAGS = {"rounds": "rounds", "num_clients": "clients", "dataset": "dataset", "data_dir": "data_dir",
+               "algorithm": "algorithm", "backend": "backend", "workers": "workers", "partition.alpha": "alpha",
+               "precision": "precision", "compile": "compile"}
+BENCH_DEFAULTS = {"rounds": 3, "clients": 20, "dataset": "mnist", "algorithm": "fedavg", "backend": "sequential",
+                  "alpha": 0.1, "precision": "fp32", "compile": False}
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
+    ns.overrides = flag_settings(ns, ns.overrides, BENCH_FLAGS, BENCH_DEFAULTS)
     from pfedkit.bench import format_bench, run_bench
 
     print(format_bench(run_bench(ns)))
     return 0
 
 
+KEYS_EPILOG = "config keys and their defaults: pfedkit config (one section: pfedkit config dp)"
+
+
 def _add_run(sub) -> None:
     """`pfedkit run`."""
-    p_run = sub.add_parser("run", help="run one simulation (no config: the embedded default job)")
+    p_run = sub.add_parser("run", help="run one simulation (no config: the embedded default job)",
+                           epilog=KEYS_EPILOG)
     p_run.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (dotted keys for nested values)")
     p_run.add_argument("--resume", metavar="DIR", help="continue a killed run from its run directory")
     p_run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -320,9 +437,10 @@ def _add_run(sub) -> None:
 
 def _add_compare(sub) -> None:
     """`pfedkit compare`."""
-    p_cmp = sub.add_parser("compare", help="several algorithms on the same partitions, over seeds: mean ± std")
+    p_cmp = sub.add_parser("compare", help="several algorithms on the same partitions, over seeds: mean ± std",
+                           epilog=KEYS_EPILOG)
     p_cmp.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...]")
-    p_cmp.add_argument("--algorithms", default=DEFAULT_COMPARE,
+    p_cmp.add_argument("--algorithms", "--algorithm", dest="algorithms", default=DEFAULT_COMPARE, metavar="NAMES",
                        help="comma-separated names (default: %(default)s; all: pfedkit list)")
     p_cmp.add_argument("--seeds", default="0", help="0,1,2 or 0-4 (default 0)")
     p_cmp.add_argument("--out", help="comparison directory (default OUT_DIR/compare-TIMESTAMP); "
@@ -336,9 +454,11 @@ def _add_compare(sub) -> None:
 def _add_tune(sub) -> None:
     """`pfedkit tune`."""
     p_tune = sub.add_parser("tune", help="tune an algorithm's hyperparameters on a validation split (Optuna TPE, "
-                            "median pruning); resumable")
+                            "median pruning); resumable", epilog=KEYS_EPILOG)
     p_tune.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...] (validation_fraction=0.2 by default)")
-    p_tune.add_argument("--algorithm", required=True, help="the algorithm to tune (pfedkit list)")
+    p_tune.add_argument("--algorithms", "--algorithm", dest="algorithms", metavar="NAMES",
+                        help="the algorithm(s) to tune, comma-separated, one after another, each in OUT/NAME "
+                        "(default: the config's algorithm; pfedkit list)")
     p_tune.add_argument("--trials", type=int, required=True,
                         help="finished trials in total (a rerun with more continues the study)")
     p_tune.add_argument("--space", metavar="FILE", help="search-space YAML replacing the shipped one "
@@ -386,6 +506,13 @@ def _add_list(sub) -> None:
     p_list.set_defaults(func=cmd_list)
 
 
+def _add_config(sub) -> None:
+    """`pfedkit config`."""
+    p_config = sub.add_parser("config", help="every config key with its default and description")
+    p_config.add_argument("key", nargs="?", help="only this key or section (e.g. dp, partition.alpha)")
+    p_config.set_defaults(func=cmd_config)
+
+
 def _add_report(sub) -> None:
     """`pfedkit report`."""
     p_report = sub.add_parser("report", help="an HTML page (report/index.html) for a run or a comparison")
@@ -397,22 +524,27 @@ def _add_report(sub) -> None:
 def _add_bench(sub) -> None:
     """`pfedkit bench`."""
     p_bench = sub.add_parser("bench", help="seconds per round and fraction of matmul peak (FedAvg, MNIST, Dir 0.1, CNN, B=10)")
-    p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false)")
-    p_bench.add_argument("--rounds", type=int, default=3, help="rounds timed (default: %(default)s)")
-    p_bench.add_argument("--backend", default="sequential", choices=BACKENDS,
-                         help="how a round's clients train (default: %(default)s)")
-    p_bench.add_argument("--workers", type=int, default=None,
-                         help="processes / ray: worker count (default: one per core; ray: the cluster's CPUs)")
-    p_bench.add_argument("--clients", type=int, default=20, help="num_clients, all taking part (default: %(default)s)")
-    p_bench.add_argument("--dataset", default="mnist", help="dataset (default: %(default)s; see pfedkit list)")
+    p_bench.add_argument("overrides", nargs="*", help="extra key=value config overrides (e.g. channels_last=false); "
+                         "a flag's own key sets that flag (rounds=5 is --rounds 5, num_clients=5 is --clients 5)")
+    default = BENCH_DEFAULTS
+    p_bench.add_argument("--rounds", type=int, help=f"rounds timed, or rounds=N (default: {default['rounds']})")
+    p_bench.add_argument("--backend", choices=BACKENDS,
+                         help=f"how a round's clients train, or backend=NAME (default: {default['backend']})")
+    p_bench.add_argument("--workers", type=int, default=None, help="processes / ray: worker count, or workers=N "
+                         "(default: one per core; ray: the cluster's CPUs)")
+    p_bench.add_argument("--clients", type=int, help=f"num_clients, all taking part, or num_clients=N "
+                         f"(default: {default['clients']})")
+    p_bench.add_argument("--dataset", help=f"dataset, or dataset=NAME (default: {default['dataset']}; see pfedkit list)")
     p_bench.add_argument("--data-dir", default=None,
-                         help="folder holding DATASET/DATASET.npz.xz (default: $PFEDKIT_DATA)")
-    p_bench.add_argument("--algorithm", default="fedavg", help="algorithm (default: %(default)s; see pfedkit list)")
-    p_bench.add_argument("--alpha", type=float, default=0.1,
-                         help="Dirichlet concentration of the partition (default: %(default)s)")
-    p_bench.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                         help="bf16: autocast, only where the CPU or GPU has native bf16 (default: %(default)s)")
-    p_bench.add_argument("--compile", action="store_true", help="torch.compile the local training step")
+                         help="folder holding DATASET/DATASET.npz.xz, or data_dir=DIR (default: $PFEDKIT_DATA)")
+    p_bench.add_argument("--algorithm", help=f"algorithm, or algorithm=NAME (default: {default['algorithm']}; "
+                         "see pfedkit list)")
+    p_bench.add_argument("--alpha", type=float, help="Dirichlet concentration of the partition, or "
+                         f"partition.alpha=A (default: {default['alpha']})")
+    p_bench.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast, only where the CPU or GPU "
+                         f"has native bf16; or precision=NAME (default: {default['precision']})")
+    p_bench.add_argument("--compile", action="store_true", default=None,
+                         help="torch.compile the local training step, or compile=true")
     p_bench.add_argument("--parity", action="store_true",
                          help="also run 10 rounds at fp32 and at bf16 and compare their accuracy")
     p_bench.set_defaults(func=cmd_bench)
@@ -439,7 +571,9 @@ def _add_data_fetch(data_sub) -> None:
     p_fetch = data_sub.add_parser("fetch", help="download a dataset from its public source and convert it "
                                   "(mnist, fashion_mnist, cifar10, cifar100, ...; ag_news: tokenised text)")
     p_fetch.add_argument("name", help=f"dataset to fetch: {', '.join(fetchable())}")
-    p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in (default: $PFEDKIT_DATA)")
+    p_fetch.add_argument("overrides", nargs="*", metavar="data_dir=DIR", help="the same as --data-dir DIR")
+    p_fetch.add_argument("--data-dir", default=None, help="folder to put NAME/NAME.npz.xz in, or data_dir=DIR "
+                         "(default: $PFEDKIT_DATA)")
     p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_fetch.set_defaults(func=cmd_data_fetch)
 
@@ -462,8 +596,8 @@ def _add_data(sub) -> None:
 
 
 # The subcommands in the order `pfedkit --help` lists them.
-SUBCOMMANDS = (_add_run, _add_compare, _add_tune, _add_reproduce, _add_list, _add_report, _add_bench, _add_flower,
-               _add_data)
+SUBCOMMANDS = (_add_run, _add_compare, _add_tune, _add_reproduce, _add_list, _add_config, _add_report, _add_bench,
+               _add_flower, _add_data)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,12 @@ line names the key, says what was wrong and what is allowed (and the closest all
 misspelt one). What runs, but not as written (another algorithm's options, a value lowered to
 what is possible), gives a `ConfigWarning`, which the command line prints as one line. A loaded
 Config holds what is in effect: the resolved model, the running algorithm's section only.
+
+Names (algorithms, their options, models) are checked against `pfedkit.catalog` first, so a
+misspelt key is refused without importing torch; the running algorithm's `Hyper` then validates
+the values. YAML is read through `parse_yaml` / `read_yaml_file`: a file that is not UTF-8 or is
+nested too deeply is a one-line error like invalid YAML. `config_keys` lists every key with its
+default and description (`pfedkit config`).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import warnings
 from collections.abc import Collection
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -26,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from pfedkit.catalog import catalog
 from pfedkit.core.backends import BACKENDS
 # The errors live on the ground floor (every layer raises them); they are part of this module's API.
 from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean  # noqa: F401
@@ -62,13 +69,14 @@ class PartitionConfig(BaseModel):
                            "retries without limit; alpha 0.01 with 20 clients needs ~3,000 on CIFAR-10)")
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
     balanced: bool = Field(False, description="pathological: equal shares instead of random sizes")
-    shards_per_client: int = Field(2, ge=1)
+    shards_per_client: int = Field(2, ge=1, description="shards: label-sorted shards each client gets")
     s: float = Field(0.2, ge=0, le=1, description="group_dominant: IID fraction")
     n: int = Field(3, ge=1, description="nway_kshot: mean number of classes (ways)")
     k: int = Field(100, ge=1, description="nway_kshot: mean samples per class (shots)")
-    n_noise: int = Field(1, ge=0)
-    k_noise: int = Field(1, ge=0)
-    samples_per_client: int | None = Field(None, ge=1)
+    n_noise: int = Field(1, ge=0, description="nway_kshot: the ways vary by up to this much around n")
+    k_noise: int = Field(1, ge=0, description="nway_kshot: the shots vary by up to this much around k")
+    samples_per_client: int | None = Field(None, ge=1, description="iid, dirichlet_client, group_dominant: "
+                                           "samples per client (None: the pool shared out)")
     train_ratio: float = Field(0.75, gt=0, lt=1, description="per-client train share (per_client split)")
     stratified: bool = Field(True, description="per-client split keeps each class's ratio [ours]")
     test_split: Literal["auto", "per_client", "official_fraction", "official_shots"] = Field(
@@ -158,16 +166,17 @@ class Config(BaseModel):
     """One run. Defaults give the embedded job: FedAvg on `digits`, 10 clients, Dirichlet 0.5."""
     model_config = ConfigDict(extra="allow")  # extra keys must be algorithm sections (checked below)
 
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
+    algorithm: str = Field("fedavg", description="the method (pfedkit list); its options: ALGORITHM.KEY=VALUE")
+    dataset: str = Field("digits", description="a dataset of pfedkit list, or hf:NAME_OR_DIR (docs/data.md)")
     model: str = Field("auto", description="auto: the dataset's default model")
-    model_options: dict[str, Any] = Field(default_factory=dict)
+    model_options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the model "
+                                          "(pfedkit list: models), e.g. {c2: 18}")
     client_model_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description='heterogeneous models: {"0-6": {"c2": 18}, ...} merged over '
         "model_options for those clients (only algorithms that never average parameters)")
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
-    num_clients: int = Field(10, ge=1)
-    join_ratio: float = Field(1.0, gt=0, le=1)
+    num_clients: int = Field(10, ge=1, description="clients the data is partitioned over")
+    join_ratio: float = Field(1.0, gt=0, le=1, description="share of the clients taking part in each round")
     participants: Literal["round", "floor", "poisson"] = Field(
         "round", description="clients per round: round(join_ratio * N), or int(join_ratio * N) (PFLlib), drawn "
         "without replacement; poisson: each client joins independently with probability join_ratio")
@@ -176,31 +185,32 @@ class Config(BaseModel):
                              "are evaluated (generalisation to new clients); join_ratio applies to the others")
     new_client_finetune: int = Field(0, ge=0, description="local epochs a new client trains on its own training "
                                      "split from what it received before it is evaluated (0: evaluated as received)")
-    rounds: int = Field(20, ge=1)
+    rounds: int = Field(20, ge=1, description="communication rounds")
     head_split: Literal["last", "fc"] | None = Field(
         None, description="which layers form the head: the last Linear or all fully connected layers, for "
         "algorithms that allow a choice (FedPer, FedRep, LG-FedAvg, FedBABU, FedPAC); None: the algorithm's own")
-    local_epochs: int = Field(1, ge=1)
+    local_epochs: int = Field(1, ge=1, description="passes over its training split a client makes per round")
     local_steps: int | None = Field(None, ge=1, description="exactly this many mini-batch steps per client and "
                                     "round instead of local_epochs epochs (batches drawn pass by pass, each pass "
                                     "reshuffled); a method's own phases that name their epochs keep them")
-    batch_size: int = Field(10, ge=1)
+    batch_size: int = Field(10, ge=1, description="mini-batch size of local training")
     lr: float = Field(0.05, gt=0, description="SGD learning rate (papers: 0.005-0.01; set it per preset)")
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="SGD weight decay (L2 penalty)")
     grad_clip: float | None = Field(None, gt=0, description="clip the gradient norm at this value")
-    drop_last: bool = False
+    drop_last: bool = Field(False, description="drop each epoch's last, incomplete mini-batch")
     keep_optimizer_state: bool = Field(False, description="keep each client's SGD momentum across rounds and "
                                        "Fit requests (PFLlib-style: one optimizer per client for the run)")
-    seed: int = 0
-    eval_every: int = Field(1, ge=1)
+    seed: int = Field(0, description="seeds every draw: partition, sampling, initialisation, batches")
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds (and after the last)")
     eval_point: Literal["after_download", "after_local_training"] = Field(
         "after_download", description="evaluate the model a client would use after the round (what it "
         "downloads next; PFLlib) or a participant's model right after its local training (DA-PFL)")
     headline: HeadlineConfig = Field(default_factory=HeadlineConfig)
     validation_fraction: float = Field(0.0, ge=0, lt=1, description="share of each client's training split carved out (seeded, stratified) as a validation split: removed from training and evaluated instead of the test split, which is then never read (pfedkit tune; 0: off)")
     dp: DPConfig = Field(default_factory=DPConfig)
-    backend: Backend = "sequential"
+    backend: Backend = Field("sequential", description="how a round's clients train: one after another, in "
+                             "worker processes, as one batched computation, or on Ray")
     workers: int | None = Field(None, ge=1, description="processes / ray backend: worker count (default: "
                                 "cores; ray: the cluster's CPUs)")
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -209,7 +219,8 @@ class Config(BaseModel):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where clients train and are "
                         "evaluated: cpu, cuda, cuda:N, or auto (the first GPU for backend=sequential/vectorized when "
                         "torch sees one, else the CPU)")
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: autocast where the CPU or GPU has "
+                                               "native bf16")
     compile: bool = Field(False, description="torch.compile each client's model for local training (inductor); "
                           "falls back to eager with a warning where compiling fails")
     client_states: Literal["auto", "memory", "disk"] = Field(
@@ -217,13 +228,14 @@ class Config(BaseModel):
         "(one file per client, read when trained or evaluated; for thousands of clients), or auto (disk when "
         "they would take more than half of the available memory)")
     channels_last: bool = Field(True, description="channels_last memory format for conv models")
-    data_dir: str | None = None
+    data_dir: str | None = Field(None, description="folder holding NAME/NAME.npz.xz (pfedkit data fetch); "
+                                 "None: $PFEDKIT_DATA")
     data: DataConfig = Field(default_factory=DataConfig, description="options of hf: datasets")
     preset: str | None = Field(None, description="a shipped set of defaults (pfedkit list); the file and "
                                "overrides win over it")
-    out_dir: str = "runs"
+    out_dir: str = Field("runs", description="where run directories are made")
     name: str | None = Field(None, description="run directory name (default: algorithm-dataset-timestamp)")
-    checkpoint_every: int = Field(1, ge=1)
+    checkpoint_every: int = Field(1, ge=1, description="write the resume checkpoint every this many rounds")
 
     @field_validator("client_model_options", mode="before")
     @classmethod
@@ -233,12 +245,9 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _check_algorithm_sections(self) -> "Config":
-        from pfedkit.algorithms import algorithm_names
-
-        names = algorithm_names()
+        names = list(catalog().algorithms)
         if self.algorithm not in names:
-            raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r}{did_you_mean(self.algorithm, names)}; "
-                             f"allowed: {', '.join(names)}")
+            raise ValueError(f"algorithm: {unknown_algorithm(self.algorithm)}")
         for key in self.model_extra or {}:
             if key not in names:
                 allowed = ", ".join(sorted(Config.model_fields))
@@ -274,6 +283,30 @@ class Config(BaseModel):
         return data
 
 
+def config_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) of every key of `model`, its sections expanded
+    (`partition.alpha`), choices of a Literal first in the description: what `pfedkit config`
+    prints, read from the fields themselves so that a new key is listed with no other change."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            rows += config_keys(field.annotation, key + ".")
+            continue
+        choices = [str(choice) for choice in _literal_choices(field.annotation)]
+        description = "; ".join(text for text in (f"one of {', '.join(choices)}" if choices else "",
+                                                  field.description or "") if text)
+        rows.append((key, str(field.get_default(call_default_factory=True)), description))
+    return rows
+
+
+def _literal_choices(annotation: Any) -> list[Any]:
+    """The values of a Literal annotation, also inside `Literal[...] | None`; [] otherwise."""
+    if get_origin(annotation) is Literal:
+        return list(get_args(annotation))
+    return [choice for member in get_args(annotation) if get_origin(member) is Literal for choice in get_args(member)]
+
+
 def split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     """A command line's `[CONFIG.yaml] [key=value ...]`: the first item is a config file unless it
     looks like key=value -> (config file or None, overrides)."""
@@ -306,11 +339,36 @@ def parse_override_value(key: str, raw: str) -> Any:
     if raw == "":
         return None
     try:
-        return yaml.safe_load(raw)
+        return parse_yaml(raw)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{key.strip()}={raw}: the value is not valid YAML ({yaml_problem(err)}); "
+        shown = raw if len(raw) <= 80 else f"{raw[:60]}... ({len(raw):,} characters)"
+        raise ConfigError(f"{key.strip()}={shown}: the value is not valid YAML ({yaml_problem(err)}); "
                           "quote it in the shell as a whole, e.g. 'lr=0.01' or "
                           "'client_model_options={\"0-6\": {\"c2\": 18}}'") from None
+
+
+def parse_yaml(text: str) -> Any:
+    """yaml.safe_load, failing only with YAMLError: PyYAML's parser recurses once per nesting
+    level, so a document nested some thousand levels deep raises RecursionError, reported here as
+    a YAMLError like any other unreadable document."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise yaml.YAMLError("nested deeper than the YAML reader can follow (about 1,000 levels); "
+                             "flatten it") from None
+
+
+def read_yaml_file(path: Path, what: str) -> Any:
+    """The YAML document in the file at `path`; `what` names it in the one-line ConfigError for a
+    file that cannot be read, is not UTF-8 text, or is not YAML."""
+    try:
+        return parse_yaml(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what}: not valid YAML ({yaml_problem(err)})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{what}: not UTF-8 text (byte {err.start}: {err.reason}); expected a YAML file") from None
+    except OSError as err:
+        raise ConfigError(f"{what} cannot be read ({err.strerror or err})") from None
 
 
 def yaml_problem(err: yaml.YAMLError) -> str:
@@ -341,6 +399,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
     the file or overrides gave (not for `expected_sections`: `compare` passes its algorithms)."""
     data = _read_source(source)
     extra = parse_overrides(overrides) if isinstance(overrides, list) else (overrides or {})
+    check_keys_and_text(extra, "overrides" if isinstance(overrides, list) else "config")
     data = deep_merge(data, extra)
     given = dict(data)
     if data.get("preset") is not None:  # the preset is the base; the file and overrides win over it
@@ -349,15 +408,38 @@ def load_config(source: str | Path | dict[str, Any] | None = None,
         config = Config(**data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
-    config.hyper()  # validate the algorithm section now, not mid-run
+    # What the catalog can check comes first: a misspelt name is refused without importing torch.
+    check_option_names(config)
+    check_against_dataset(config)
+    per_client_model_options(config)
+    config.hyper()  # validate the algorithm section now, not mid-run (imports the algorithms)
     for name in config.model_extra or {}:
         config.hyper(name)  # an inactive section too: a typo there is still a typo
     drop_inactive_sections(config, given, expected_sections)
-    check_against_dataset(config)
     check_finite(config)
-    per_client_model_options(config)
     resolve_model(config)
     return config
+
+
+def unknown_algorithm(name: str) -> str:
+    """`unknown algorithm 'x' (did you mean y?); allowed: ...` (from the catalog)."""
+    names = list(catalog().algorithms)
+    return f"unknown algorithm {name!r}{did_you_mean(name, names)}; allowed: {', '.join(names)}"
+
+
+def check_option_names(config: Config) -> None:
+    """The keys of every algorithm section are options of that algorithm (from the catalog: the
+    values are validated by the algorithm's Hyper later)."""
+    for name, section in (config.model_extra or {}).items():
+        allowed = list(catalog().algorithms[name].options)
+        unknown = [key for key in section if key not in allowed] if isinstance(section, dict) else []
+        if unknown:
+            raise ConfigError(unknown_key_message(f"{name}.{unknown[0]}", unknown[0], allowed))
+
+
+def unknown_key_message(where: str, key: Any, allowed: list[str]) -> str:
+    """`where: unknown key (did you mean X?); allowed: ...`."""
+    return f"{where}: unknown key{did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}"
 
 
 def drop_inactive_sections(config: Config, given: dict[str, Any], expected: Collection[str] = ()) -> None:
@@ -406,10 +488,9 @@ def per_client_model_options(config: Config) -> list[dict[str, Any]] | None:
     overlaps, or an algorithm that averages parameters."""
     if not config.client_model_options:
         return None
-    from pfedkit.algorithms import algorithm_names, get_algorithm
-
-    if not get_algorithm(config.algorithm).supports_heterogeneous_models:
-        allowed = [name for name in algorithm_names() if get_algorithm(name).supports_heterogeneous_models]
+    algorithms = catalog().algorithms
+    if not algorithms[config.algorithm].heterogeneous_models:
+        allowed = [name for name, entry in algorithms.items() if entry.heterogeneous_models]
         raise ConfigError(f"client_model_options: algorithm {config.algorithm} averages model parameters and "
                           f"needs one architecture; allowed with: {', '.join(allowed)}")
     options: list[dict[str, Any]] = [dict(config.model_options) for _ in range(config.num_clients)]
@@ -451,26 +532,60 @@ def _read_source(source: str | Path | dict[str, Any] | None) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, dict):
+        check_keys_and_text(source, "config")
         return dict(source)
     path = Path(source)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise ConfigError(f"config file {path.absolute()} {what}; expected a YAML file (or key=value overrides)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path}: not valid YAML at {yaml_problem(err)}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path.absolute()} cannot be read ({err.__class__.__name__}: "
-                          f"{getattr(err, 'strerror', None) or err})") from None
+    data = read_yaml_file(path, f"config file {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: expected a mapping of keys at the top level")
+    check_keys_and_text(data, f"config file {path}")
     return data
 
 
+def check_keys_and_text(data: dict[str, Any], where: str) -> None:
+    """ConfigError (one line, starting with `where`) for a key that is not a name (YAML reads
+    `1: 2` as the number 1; only client_model_options' keys may be client numbers) and for text
+    holding a lone surrogate (YAML's "\\ud800"), which no file name or file can hold."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            _check_text(value, path, where)
+        elif isinstance(value, (list, tuple)):
+            pending += [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    _check_text(key, f"{path}{key}", where)
+                elif path != "client_model_options.":
+                    raise ConfigError(f"{where}: key {path}{key!r} is not a name (YAML read it as "
+                                      f"{type(key).__name__}); keys are names such as rounds or lr (pfedkit config "
+                                      "lists them)")
+                pending.append((f"{path}{key}.", item))
+
+
+def _check_text(text: str, path: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{where}: {path.rstrip('.') or 'a key'}: {text!r} holds a lone surrogate, which is not "
+                          "text any file or folder name can hold; write it with ordinary characters") from None
+
+
+# The largest float32: training computes in float32 (bf16 autocast has the same range), so a
+# setting beyond it cannot even be handed to the optimiser (lr=1e308: torch's "value cannot be
+# converted to type float without overflow"). Values within it that still blow the weights up
+# end as TrainingDiverged (exit 3).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_finite(config: Config) -> None:
-    """Refuse NaN and infinite numbers anywhere in the config (lr=inf, fedprox.mu=.nan): YAML and
-    pydantic accept them, and a run would train to NaN without a word."""
+    """Refuse NaN, infinite numbers and numbers beyond float32's range anywhere in the config
+    (lr=inf, fedprox.mu=.nan, lr=1e308): YAML and pydantic accept them, and a run would train to
+    NaN without a word, or stop in the optimiser with a traceback."""
     import math
 
     values = {**config.model_dump(), **{name: config.hyper(name).model_dump() for name in config.model_extra or {}}}
@@ -481,31 +596,29 @@ def check_finite(config: Config) -> None:
             pending += [(f"{key}.{inner}", item) for inner, item in value.items()]
         elif isinstance(value, (list, tuple)):
             pending += [(f"{key}[{index}]", item) for index, item in enumerate(value)]
-        elif isinstance(value, float) and not math.isfinite(value):
+        elif isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
             field = Config.model_fields.get(key)
             default = f" (default {field.default})" if field is not None and isinstance(field.default, float) else ""
+            if math.isfinite(value):
+                raise ConfigError(f"{key}: {value:g} is beyond float32's range (±{FLOAT32_MAX:.2g}), the precision "
+                                  f"training computes in; give a value within it{default}")
             raise ConfigError(f"{key}: {value} is not a finite number; give a finite value{default}")
 
 
 def check_against_dataset(config: Config) -> None:
     """Checks that need the dataset's size and class count (read from metadata, no loading)."""
     from pfedkit.data.datasets import DATASETS
-    from pfedkit.models import model_names
 
     if config.dataset.startswith("hf:"):  # size and classes are known once converted: checked when loaded
         if not config.dataset[3:].strip():
             raise ConfigError("dataset: hf: needs a Hub dataset name or a save_to_disk folder, e.g. hf:ylecun/mnist")
-        if config.model != "auto" and config.model not in model_names():
-            raise ConfigError(f"model: unknown model {config.model!r}{did_you_mean(config.model, model_names())}; "
-                              f"allowed: auto, {', '.join(model_names())}")
+        check_model_reads_dataset(config, "image")
         return
     if config.dataset not in DATASETS:
         raise ConfigError(f"dataset: unknown dataset {config.dataset!r}{did_you_mean(config.dataset, DATASETS)}; "
                           f"allowed: {', '.join(DATASETS)}")
     info = DATASETS[config.dataset]
-    if config.model != "auto" and config.model not in model_names():
-        raise ConfigError(f"model: unknown model {config.model!r}{did_you_mean(config.model, model_names())}; "
-                          f"allowed: auto, {', '.join(model_names())}")
+    check_model_reads_dataset(config, info.kind)
     part = config.partition
     if part.scheme == "pathological" and part.classes_per_client > info.num_classes:
         raise ConfigError(f"partition.classes_per_client: {part.classes_per_client} is more than the "
@@ -516,6 +629,29 @@ def check_against_dataset(config: Config) -> None:
     if config.num_clients > info.num_samples:
         raise ConfigError(f"num_clients: {config.num_clients} clients but {config.dataset} has only "
                           f"{info.num_samples} samples; allowed: 1..{info.num_samples}")
+
+
+def check_model_reads_dataset(config: Config, kind: str) -> None:
+    """`model` is a known model that reads what the dataset holds (`kind`: image, features or text):
+    token ids for a model of token ids (fastText), images or feature vectors for the others."""
+    from pfedkit.data.datasets import DATASETS, default_model
+
+    models = catalog().models
+    if config.model == "auto":
+        return
+    if config.model not in models:
+        raise ConfigError(f"model: unknown model {config.model!r}{did_you_mean(config.model, models)}; "
+                          f"allowed: auto, {', '.join(models)}")
+    if models[config.model].token_ids != (kind == "text"):
+        holds = {"image": "images", "features": "feature vectors", "text": "token ids"}[kind]
+        if kind == "text":
+            fit = [name for name, entry in models.items() if entry.token_ids]
+        else:
+            fit = [name for name, info in DATASETS.items() if info.kind == "text"]
+        wants = "a text dataset" if kind != "text" else "a model of token ids"
+        raise ConfigError(f"model: {config.model} cannot read {config.dataset}, which holds {holds}; use it with "
+                          f"{wants} ({', '.join(fit)}), or model=auto ({default_model(config.dataset)} for "
+                          f"{config.dataset})")
 
 
 def _section_keys(loc: tuple) -> list[str]:
@@ -536,8 +672,7 @@ def _format_validation_error(err: ValidationError, prefix: str | None = None,
         msg = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             keys = allowed if prefix else _section_keys(tuple(item["loc"]))
-            hint = did_you_mean(item["loc"][-1], keys)
-            messages.append(f"{loc}: unknown key{hint}; allowed: {', '.join(keys) or 'none'}")
+            messages.append(unknown_key_message(loc, item["loc"][-1], keys))
         elif loc and not msg.startswith(loc.split(".")[-1] + ":"):
             messages.append(f"{loc}: {msg} (got {item.get('input')!r})")
         else:

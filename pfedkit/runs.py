@@ -42,7 +42,7 @@ from pfedkit.engine.simulate import Simulation, TrainingDiverged
 from pfedkit.engine.state import SimState
 from pfedkit.evaluation import summarize
 from pfedkit.federation import config_dataset, split_plan
-from pfedkit.privacy.setup import privacy_budget
+from pfedkit.privacy.setup import check_a_round_fits, privacy_budget
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
@@ -137,6 +137,8 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
         state_dir = resume_dir / STATES_DIR
     simulation = simulation_for(config, algorithm, data, runtime,
                                 placement=Placement(config.client_states, state_dir, config.out_dir))
+    if resume_dir is None:
+        check_a_round_fits(config, simulation)
     if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
         state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
         for store in disk_stores(state):

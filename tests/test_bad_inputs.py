@@ -83,6 +83,7 @@ def inputs(tmp_path_factory) -> Path:
     (root / "list.yaml").write_text("- rounds\n- lr\n")
     (root / "unknown_key.yaml").write_text("rounds: 1\nlearning_rate: 0.1\n")
     assert main(["run", "-q", "rounds=1", "num_clients=2", f"out_dir={root / 'done'}", "name=run"]) == 0
+    _write_damaged_and_foreign_inputs(root)
     return root
 
 
@@ -185,6 +186,94 @@ CASES = [
                  marks=pytest.mark.skipif(WRITES_ANYWHERE, reason="this user writes into read-only folders (root)"),
                  id="report read-only"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 43: damaged or foreign inputs and arithmetic edges (rows kept apart from the table above).
+# ---------------------------------------------------------------------------------------------
+
+def _write_damaged_and_foreign_inputs(root: Path) -> None:
+    """Inputs of the rows below, beside the fixture's: a finished run's copies with a damaged
+    metrics.csv or summary.json, a garbage search space, data directories of garbage or links,
+    YAML files a parser can read but no config holds."""
+    for name, file, content in [("garbage_metrics", "metrics.csv", b"\x00\x01garbage\xff\n,,,\n\""),
+                                ("empty_metrics", "metrics.csv", b""),
+                                ("foreign_metrics", "metrics.csv", b"name,colour\nleaf,green\n"),
+                                ("latin1_summary", "summary.json", '{"headline": "caf\xe9"}'.encode("latin-1"))]:
+        shutil.copytree(root / "done" / "run", root / name)
+        (root / name / file).write_bytes(content)
+    (root / "garbage_space.yaml").write_bytes(b"\x00\xff\xfe common: [")
+    _write_dataset(root / "binary_sums", _npz_bytes(x=np.zeros((4, 28, 28), np.uint8), y=np.arange(4), test=np.ones(4, bool)))
+    (root / "binary_sums" / "SHA256SUMS").write_bytes(bytes(range(256)) * 4)
+    garbage = np.random.default_rng(1).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    _write_dataset(root / "garbage_files", garbage[:1000], xz=False)
+    (root / "garbage_files" / "SHA256SUMS").write_bytes(garbage[1000:1300])
+    (root / "garbage_files" / "notes.bin").write_bytes(garbage[1300:])
+    (root / "loops").mkdir()
+    os.symlink("mnist", root / "loops" / "mnist")  # a link to itself
+    os.symlink("b", root / "loops" / "a")
+    os.symlink("a", root / "loops" / "b")
+    (root / "int_key.yaml").write_text("rounds: 1\n1: 2\n")
+    (root / "int_section_key.yaml").write_text("algorithm: fedprox\nfedprox: {1: 2}\n")
+    (root / "deep.yaml").write_text("{a: " * 10_000 + "1" + "}" * 10_000 + "\n")
+    (root / "surrogate.yaml").write_text('name: "run\\ud800"\n')
+
+
+DAMAGED_OR_FOREIGN_CASES = [
+    # report: what a run directory holds, damaged
+    ("report a garbage metrics.csv", ["report", "{in}/garbage_metrics"], "{in}/garbage_metrics/metrics.csv"),
+    ("report an empty metrics.csv", ["report", "{in}/empty_metrics"], "{in}/empty_metrics/metrics.csv"),
+    ("report a metrics.csv of other columns", ["report", "{in}/foreign_metrics"], "{in}/foreign_metrics/metrics.csv"),
+    ("report a summary that is not UTF-8", ["report", "{in}/latin1_summary"], "{in}/latin1_summary/summary.json"),
+    # tune, data directories, output folders, Flower
+    ("tune a garbage space file", ["tune", "--algorithm", "fedavg", "--trials", "1", "--space", "{in}/garbage_space.yaml"],
+     "{in}/garbage_space.yaml"),
+    ("binary SHA256SUMS", ["run", "-q", *MNIST, "data_dir={in}/binary_sums"], "{in}/binary_sums/SHA256SUMS"),
+    ("data directory of garbage files", ["run", "-q", *MNIST, "data_dir={in}/garbage_files"],
+     "{in}/garbage_files/SHA256SUMS"),
+    ("dataset folder is a symlink loop", ["run", "-q", *MNIST, "data_dir={in}/loops"], "{in}/loops/mnist"),
+    ("data directory is a symlink loop", ["run", "-q", *MNIST, "data_dir={in}/loops/a"], "{in}/loops/a"),
+    pytest.param("out_dir in /proc", ["run", "-q", "rounds=1", "out_dir=/proc/runs"], "/proc/runs",
+                 marks=pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here"),
+                 id="out_dir in /proc"),
+    ("out_dir under a symlink loop", ["run", "-q", "rounds=1", "out_dir={in}/loops/a/runs"], "{in}/loops/a"),
+    ("compare --out under a symlink loop", ["compare", "-q", "--out", "{in}/loops/a/cmp", "rounds=1"], "{in}/loops/a"),
+    ("flower app directory is a file", ["flower", "app", "{in}/afile", "rounds=1"], "{in}/afile"),
+    # YAML a parser reads but no config holds
+    ("YAML with an integer key", ["run", "-q", "{in}/int_key.yaml"], "int_key.yaml"),
+    ("YAML with an integer key in a section", ["run", "-q", "{in}/int_section_key.yaml"], "fedprox"),
+    ("YAML nested 10,000 levels", ["run", "-q", "{in}/deep.yaml"], "deep.yaml"),
+    ("override nested 10,000 levels", ["run", "-q", "partition=" + "[" * 10_000 + "]" * 10_000], "partition="),
+    ("name with a lone surrogate", ["run", "-q", "rounds=1", 'name="run\\ud800"'], "name"),
+    ("YAML name with a lone surrogate", ["run", "-q", "{in}/surrogate.yaml"], "name"),
+    # arithmetic edges
+    ("lr beyond float32", ["run", "-q", "rounds=1", "lr=1e308", "weight_decay=0.1"], "lr"),
+    ("weight decay beyond float32", ["run", "-q", "rounds=1", "weight_decay=1e300"], "weight_decay"),
+    ("pfedme beta beyond float32", ["run", "-q", "rounds=1", "algorithm=pfedme", "pfedme.beta=1e308"], "pfedme.beta"),
+    ("pfedme beta cancelling the mix", ["run", "-q", "rounds=1", "algorithm=pfedme", "pfedme.beta=1e20"],
+     "pfedme.beta"),
+    ("dp target no round can meet",
+     ["run", "-q", "rounds=2", "num_clients=3", "dp.level=client", "dp.target_epsilon=1e-6"], "dp.target_epsilon"),
+    ("fasttext on image-free features", ["run", "-q", "rounds=1", "model=fasttext"], "fasttext"),
+    ("fasttext on images", ["run", "-q", *MNIST, "model=fasttext", "data_dir={in}/good"], "fasttext"),
+]
+CASES += DAMAGED_OR_FOREIGN_CASES
+
+
+@pytest.mark.parametrize("run", ["garbage_metrics", "empty_metrics", "foreign_metrics", "latin1_summary"])
+def test_a_damaged_run_directory_gets_no_half_written_report(run, inputs, capsys):
+    assert main(["report", str(inputs / run)]) == 2
+    assert not (inputs / run / "report").exists()
+
+
+def test_reproduce_list_without_a_data_directory_says_how_to_give_one(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("PFEDKIT_DATA", raising=False)
+    assert main(["reproduce", "dapfl", "--list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "femnist missing" in line)
+    assert "pfedkit data fetch femnist --data-dir DIR" in line and "data_dir=DIR" in line and "PFEDKIT_DATA" in line
+    monkeypatch.setenv("PFEDKIT_DATA", str(tmp_path))  # a data directory: the fetch command needs nothing more
+    assert main(["reproduce", "dapfl", "--list"]) == 0
+    assert "femnist missing -> pfedkit data fetch femnist\n" in capsys.readouterr().out
 
 
 def _case_id(case) -> str:

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools
@@ -62,6 +62,16 @@ class PFedMe(Algorithm):
         beta: float = Field(1.0, ge=0, description="server mixing: w <- (1 - beta) w + beta mean_i w_i "
                             "(the paper also uses 2)")
         mu: float = Field(0.001, ge=0, description="L2 term mu theta in the inner steps")
+
+        @field_validator("beta")
+        @classmethod
+        def _mix_weights_do_not_cancel(cls, beta: float) -> float:
+            # The mix is the weighted mean with weights (1 - beta, beta): from beta ~ 2^53 on,
+            # 1 - beta rounds to -beta in double precision and the weights sum to 0.
+            if (1.0 - beta) + beta <= 0:
+                raise ValueError(f"{beta:g} makes the server mix's weights 1 - beta and beta cancel in double "
+                                 "precision (beta below 2^53 needed); the paper uses beta 1 or 2")
+            return beta
 
     def init_server(self, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}

@@ -18,7 +18,7 @@ import numpy as np
 
 from pfedkit.data.hf import is_hf, load_hf_dataset
 from pfedkit.data.images import load_images
-from pfedkit.data.store import DataError, Dataset, DatasetInfo, cache_root, dataset_path, resolve_data_dir
+from pfedkit.data.store import DataError, Dataset, DatasetInfo, cache_root, dataset_path, resolve_data_dir, resolved
 from pfedkit.data.text import load_text_dataset
 
 # Re-exported: callers import the loader's argument and error types from here with it.
@@ -99,7 +99,7 @@ def load_dataset(name: str, data_dir: str | None = None, cache_dir: str | None =
         raise DataError(f"dataset {name!r} needs a data directory: set data_dir=PATH or the "
                         f"PFEDKIT_DATA environment variable to a folder holding {file}/{file}.npz.xz "
                         f"(get it with `pfedkit data fetch {file} --data-dir DIR`)")
-    path = dataset_path(root, info.file_name).resolve()
+    path = resolved(dataset_path(root, info.file_name))
     stat = path.stat() if path.is_file() else None
     # the file's size and mtime in the key: a file fetched again is read again
     key = (name, str(path), stat and (stat.st_size, stat.st_mtime_ns),

@@ -4,7 +4,8 @@
   `DATASETS` table of data/datasets.py is made of them);
 - the data directory (`data_dir`, else $PFEDKIT_DATA) and the files in it: `<name>/<name>.npz.xz`
   (an xz-wrapped `.npz`, ../shared/datasets/README.md) and SHA256SUMS, read by the loaders and
-  written by `pfedkit data fetch`;
+  written by `pfedkit data fetch` (a SHA256SUMS that is not text, and a symbolic link on a file's
+  path that loops, are DataErrors naming the file or the link);
 - the decode cache (`cache_dir`, else $PFEDKIT_CACHE, else ~/.cache/pfedkit): a file is decoded
   from xz once, and only a decoded file that passes its format's checks is cached, so a bad file
   never sticks there.
@@ -116,13 +117,45 @@ def dataset_path(root: Path, name: str) -> Path:
     return root / name / f"{name}.npz.xz"
 
 
+def resolved(path: Path) -> Path:
+    """`path` absolute, its symbolic links followed; DataError naming the link when one on the way
+    loops (a link to itself, or two links to each other), which no file can be found behind."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # Python < 3.13: RuntimeError("Symlink loop ..."); later: ELOOP
+        looping = next((part for part in reversed((path, *path.parents)) if part.is_symlink() and _loops(part)), path)
+        raise DataError(f"dataset path {path.absolute()}: the symbolic link {looping.absolute()} loops (it leads back "
+                        "to itself); fix the link or point data_dir at the folder holding the data") from None
+
+
+def _loops(link: Path) -> bool:
+    try:
+        link.resolve()
+        return False
+    except (RuntimeError, OSError):
+        return True
+
+
 # --- SHA256SUMS --------------------------------------------------------------------------------
 
-def expected_checksum(root: Path, relative: str) -> str | None:
+def checksum_lines(root: Path) -> list[str]:
+    """The lines of `root`/SHA256SUMS (none without the file); DataError (one line) for a file
+    that is not text, such as a binary file under that name."""
     sums = root / "SHA256SUMS"
     if not sums.is_file():
-        return None
-    for line in sums.read_text().splitlines():
+        return []
+    try:
+        return sums.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        problem = f"not text (byte {err.start}: {err.reason})"
+    except OSError as err:
+        problem = f"cannot be read ({err.strerror})"
+    raise DataError(f"checksum file {sums.absolute()}: {problem}; it should hold lines `SHA256  NAME/NAME.npz.xz`: "
+                    "delete it (the files are then not checked) or copy it again with the data")
+
+
+def expected_checksum(root: Path, relative: str) -> str | None:
+    for line in checksum_lines(root):
         parts = line.split()
         if len(parts) == 2 and parts[1].lstrip("*") == relative:
             return parts[0].lower()
@@ -132,7 +165,7 @@ def expected_checksum(root: Path, relative: str) -> str | None:
 def record_checksum(root: Path, relative: str, digest: str) -> None:
     """Add `digest  relative` to SHA256SUMS, replacing an older line for the same file."""
     sums = root / "SHA256SUMS"
-    kept = [line for line in (sums.read_text().splitlines() if sums.is_file() else [])
+    kept = [line for line in checksum_lines(root)
             if line.split()[-1:] != [relative] and line.split()[-1:] != [f"*{relative}"]]
     atomic_write_text(sums, "\n".join([*kept, f"{digest}  {relative}"]) + "\n")
 
@@ -173,7 +206,7 @@ def read_dataset_file(root: Path, name: str, cache_dir: str | None, parse: Parse
     """The checked arrays of `root/name/name.npz.xz`, decoded once into the cache. Nothing is
     cached until the decoded file has passed `parse`, and a cached file that no longer parses is
     decoded again. The cache file is named by the SHA256SUMS entry, else by size and mtime."""
-    source = dataset_path(root, name).resolve()
+    source = resolved(dataset_path(root, name))
     if not source.is_file():
         raise DataError(f"missing dataset file {source}: get it with `pfedkit data fetch {name} "
                         f"--data-dir {root}`, or point data_dir at a folder that has it")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import textwrap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,8 @@ from pfedkit.config import Config, deep_merge, parse_overrides
 from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
 from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_stored, mean_std, plan_runs,
                                             read_summary, run_comparison, write_seed_table)
-from pfedkit.experiments.paper_presets import PAPERS, Budget, Column, Paper, Row, Table, load_paper
+from pfedkit.experiments.paper_list import data_status, list_paper, list_papers, table_datasets  # noqa: F401
+from pfedkit.experiments.paper_presets import Budget, Column, Paper, Row, Table, load_paper
 from pfedkit.run_identity import EXECUTION_KEYS, describe_changes, flatten
 
 NOT_IMPLEMENTED = "not implemented"
@@ -292,37 +292,6 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
     return "\n".join(parts) + "\n"
 
 
-def table_datasets(paper: Paper, table: Table) -> list[str]:
-    """The datasets the table's cells use (the paper's base, the table's, its columns' and rows')."""
-    found = []
-    for column in table.columns:
-        for row in table.rows:
-            config = paper.base
-            for layer in (table.config, column.config, row.config):
-                config = deep_merge(config, layer)
-            name = config.get("dataset", "digits")
-            if name not in found:
-                found.append(name)
-    return found
-
-
-def data_status(paper: Paper, table: Table, data_dir: str | None = None) -> str:
-    """`data: cifar100 present` or `data: cifar100 missing -> pfedkit data fetch cifar100`, per file
-    the table reads (data_dir, else PFEDKIT_DATA; a subset such as cifar100_first20 reads cifar100)."""
-    from pfedkit.data.datasets import DATASETS, data_present
-
-    files = []
-    for name in table_datasets(paper, table):
-        info = DATASETS.get(name)
-        if info is not None and not info.embedded and info.file_name not in files:
-            files.append(info.file_name)
-    if not files:
-        return "data: embedded"
-    parts = [f"{name} present" if data_present(name, data_dir) else f"{name} missing -> pfedkit data fetch {name}"
-             for name in files]
-    return "data: " + "; ".join(parts)
-
-
 def check_data(plan: Plan) -> None:
     """ConfigError (one line) naming the `pfedkit data fetch` commands when a file the plan's cells
     read (after overrides: dataset=, data_dir=) is not in their data directory."""
@@ -342,41 +311,6 @@ def check_data(plan: Plan) -> None:
         commands = "; ".join(f"pfedkit data fetch {name} --data-dir DIR" for name in missing)
         raise ConfigError(f"reproduce {plan.paper.paper} --table {plan.table.id}: data {', '.join(missing)} {place}; "
                           f"get it with {commands}")
-
-
-def list_paper(paper: Paper, data_dir: str | None = None) -> str:
-    """`reproduce PAPER --list`: tables with their source, columns, rows, seeds, budgets and whether
-    their data is present (in data_dir, else PFEDKIT_DATA)."""
-    lines = [f"{paper.paper}: {paper.title}", f"protocol: {paper.protocol}"]
-    for table in paper.tables:
-        missing = [row.method for row in table.rows if row.algorithm is None]
-        lines.append(f"  --table {table.id}: {table.source}; {table.caption}")
-        lines.append(f"      {data_status(paper, table, data_dir)}")
-        lines.append(f"      columns: {'; '.join(f'{i} = {c.name}' for i, c in enumerate(table.columns, 1))}; "
-                     f"metric {table.metric}; "
-                     f"paper seeds {table.seeds}")
-        lines.append(f"      rows: {', '.join(row.method for row in table.rows)}"
-                     + (f" (not implemented: {', '.join(missing)})" if missing else ""))
-        for budget_name in [b for b in paper.budget_names(table) if b != "paper"]:
-            budget = paper.budget(table, budget_name)
-            lines.append(f"      {budget_name}: {budget.seeds or table.seeds} seed(s); {budget.reduced or '-'}")
-    for item in paper.unavailable:
-        lines.append(f"  (not rebuilt) {item.id}: {item.source}: {item.reason}")
-    return "\n".join(lines)
-
-
-def list_papers() -> str:
-    """`reproduce --list` without a paper: every paper with its tables, and those that cannot be
-    rebuilt with the reason."""
-    lines = []
-    for name in PAPERS:
-        paper = load_paper(name)
-        lines.append(f"{paper.paper}: {paper.title}")
-        lines += [f"  --table {table.id}: {textwrap.shorten(table.caption, 110, placeholder=' ...')}"
-                  for table in paper.tables]
-        lines += [f"  (not rebuilt) {item.id}: {item.reason}" for item in paper.unavailable]
-    lines.append("details (rows, budgets): pfedkit reproduce PAPER --list")
-    return "\n".join(lines)
 
 
 def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], out_dir: Path) -> dict[str, str]:

@@ -43,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pfedkit.atomic import atomic_write_json, atomic_write_text
-from pfedkit.config import Config, deep_merge, load_config, yaml_problem
+from pfedkit.config import Config, deep_merge, load_config, parse_yaml, read_yaml_file
 from pfedkit.core.errors import ConfigError, ConfigWarning
 from pfedkit.run_identity import changed_keys, describe_changes, flatten, identity
 
@@ -109,16 +109,12 @@ def read_spaces(path: str | Path | None = None) -> dict[str, Space]:
 
     where = f"--space {path}" if path is not None else f"shipped {SPACES_FILE}"
     if path is None:
-        text = resources.files("pfedkit.experiments").joinpath(SPACES_FILE).read_text()
+        data = parse_yaml(resources.files("pfedkit.experiments").joinpath(SPACES_FILE).read_text()) or {}
     else:
         if not Path(path).is_file():
             raise ConfigError(f"--space {path}: no such file; expected a YAML search-space file like pfedkit's "
                               f"{SPACES_FILE} (see docs/tuning.md)")
-        text = Path(path).read_text()
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{where}: not valid YAML at {yaml_problem(err)}") from None
+        data = read_yaml_file(Path(path), where) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of sections ({COMMON}, or an algorithm name) at the top level")
     names = algorithm_names()
@@ -455,10 +451,7 @@ def read_tuned(tuned_dir: str | Path, algorithm: str) -> Tuned | None:
     best_file = directory / BEST
     if not best_file.is_file():
         return None
-    try:
-        data = yaml.safe_load(best_file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{best_file}: not valid YAML at {yaml_problem(err)}") from None
+    data = read_yaml_file(best_file, str(best_file)) or {}
     if not isinstance(data, dict) or data.get("algorithm", algorithm) != algorithm:
         raise ConfigError(f"{best_file}: expected the tuned parameters of {algorithm} (written by pfedkit tune)")
     data.pop("algorithm", None)

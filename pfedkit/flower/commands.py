@@ -1,6 +1,7 @@
 """`pfedkit flower simulate | app | local | certs` (README, "Beyond one machine").
 
-Flower is imported only when a command runs, so `pfedkit` works without the `flower` extra.
+Flower is imported only when a command runs, so `pfedkit` works without the `flower` extra; the
+rest too, since the command line builds this parser for every command (even `--version`).
 """
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from pfedkit.config import load_config, split_config_and_overrides
 from pfedkit.core.errors import ConfigError
-from pfedkit.data.hf import file_label
-from pfedkit.flower.checks import check_flower_config
-from pfedkit.report.summary_table import results_table
 
 
 def _config(items: list[str]):
+    from pfedkit.config import load_config, split_config_and_overrides
+    from pfedkit.flower.checks import check_flower_config
+
     source, overrides = split_config_and_overrides(items)
     return check_flower_config(load_config(source, overrides))
 
@@ -31,6 +31,7 @@ def _require_flower() -> None:
 def cmd_simulate(ns: argparse.Namespace) -> int:
     _require_flower()
     from pfedkit.flower.app import simulate
+    from pfedkit.report.summary_table import results_table
 
     result = simulate(_config(ns.items), quiet=ns.quiet)
     print(results_table([result.summary]))
@@ -38,7 +39,16 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_app_directory(directory: Path, what: str) -> None:
+    """The app directory must be a folder that can be made or written (not a file): checked
+    before Flower is needed and before anything is written."""
+    from pfedkit.cli import check_writable_dir
+
+    check_writable_dir(directory, what)
+
+
 def cmd_app(ns: argparse.Namespace) -> int:
+    _check_app_directory(Path(ns.directory), "flower app directory")
     _require_flower()
     from pfedkit.flower.deploy import write_app
 
@@ -56,13 +66,16 @@ def cmd_app(ns: argparse.Namespace) -> int:
 
 def cmd_local(ns: argparse.Namespace) -> int:
     _require_flower()
+    from pfedkit.data.hf import file_label
     from pfedkit.flower.certificates import make_certificates
     from pfedkit.flower.deploy import LocalDeployment
+    from pfedkit.report.summary_table import results_table
 
     config = _config(ns.items)
     if config.name is None:
         config = config.model_copy(update={"name": f"flower-{config.algorithm}-{file_label(config.dataset)}-{datetime.now():%Y%m%d-%H%M%S}"})
     home = Path(ns.app or Path(config.out_dir) / f"{config.name}-app")
+    _check_app_directory(home, "--app" if ns.app else "out_dir")
     tls = make_certificates(home / "certs", nodes=config.num_clients) if ns.tls else None
     deployment = LocalDeployment(home, config.num_clients, data_dir=config.data_dir, tls=tls)
     deployment.write_app(config)
@@ -83,6 +96,7 @@ def cmd_certs(ns: argparse.Namespace) -> int:
     _require_flower()
     from pfedkit.flower.certificates import make_certificates
 
+    _check_app_directory(Path(ns.directory), "certificate directory")
     ns.host = ns.host or ["127.0.0.1", "localhost"]
     files = make_certificates(ns.directory, nodes=ns.nodes, hosts=tuple(ns.host))
     print(f"CA {files.ca_cert}; SuperLink certificate {files.server_cert} (for {', '.join(ns.host)}), key "

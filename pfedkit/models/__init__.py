@@ -40,6 +40,7 @@ class ModelInfo:
     name: str
     builder: Callable[..., nn.Module]   # builder(input_shape, num_classes, head, **options)
     description: str
+    token_ids: bool = False  # reads token ids (text datasets), not images or feature vectors
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -69,7 +70,8 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("cnn_proto", ProtoCNN,
                   "FedProto/pFedPM CNN: 2 conv (10, c2) + FC 50 feature + FC C (options c2, kernel)"),
         ModelInfo("fasttext", FastText,
-                  "fastText text classifier: mean token embedding + FC E + FC C (options embed_dim, vocab_size)"),
+                  "fastText text classifier: mean token embedding + FC E + FC C (options embed_dim, vocab_size)",
+                  token_ids=True),
     ]
 }
 

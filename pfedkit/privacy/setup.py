@@ -94,3 +94,18 @@ def privacy_budget(config: Config, simulation) -> PrivacyBudget | None:
                          [client.n_train for client in simulation.data.clients], config.batch_size,
                          config.local_epochs, config.drop_last, client_sampling(config), config.join_ratio,
                          config.local_steps)
+
+
+def check_a_round_fits(config: Config, simulation) -> None:
+    """Refuse a `dp.target_epsilon` that round 1 alone would exceed: no round could run, and a run
+    without rounds has no numbers to summarise. Called during setup, so the refusal leaves no run
+    directory."""
+    budget = privacy_budget(config, simulation)
+    if budget is None or budget.target_epsilon is None:
+        return
+    first = budget.epsilon_next([], 0, budget.participants(1))
+    if first > budget.target_epsilon:
+        noise = "dp.noise_multiplier" if config.dp.level == "client" else "dp.sample_noise_multiplier"
+        raise ConfigError(f"dp.target_epsilon={budget.target_epsilon:g}: round 1 alone reaches epsilon {first:.4g} "
+                          f"(delta {budget.delta:g}), so no round can run; give dp.target_epsilon above {first:.4g} "
+                          f"or a larger {noise}")

@@ -5,6 +5,9 @@ spread over clients, client x class heatmaps of the data and of the output layer
 Units: every accuracy on the page is in percent (0-100): the tables and the plots' axes alike
 (metrics.csv and summary.json keep fractions 0-1; the report multiplies by PERCENT). The page
 shows the run's whole config.yaml (the resolved config) in a collapsed block.
+
+metrics.csv and summary.json are read and checked (`read_metrics`, `read_summary`) before any
+figure is written: a damaged one is a one-line error naming it, and no half report is left.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pandas as pd
 import torch
 import yaml
 
+from pfedkit.core.errors import ConfigError
 from pfedkit.evaluation import round_table
 from pfedkit.report.html import Section, render
 from pfedkit.report.methods import draw_diagnostics
@@ -40,7 +44,52 @@ def client_spread(metrics: pd.DataFrame) -> pd.DataFrame:
 def read_run(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     if not (run_dir / "metrics.csv").is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.csv; expected a run or comparison directory")
-    return read_config(run_dir), pd.read_csv(run_dir / "metrics.csv")
+    return read_config(run_dir), read_metrics(run_dir)
+
+
+# The metrics.csv columns the report draws from (evaluation.round_table, client_spread).
+METRICS_COLUMNS = ("round", "accuracy", "correct", "n_test", "balanced_acc", "loss")
+DAMAGED_FIX = "it is damaged or not a pfedkit file: restore it from a copy, or run the run again"
+
+
+def read_metrics(run_dir: Path) -> pd.DataFrame:
+    """The run's metrics.csv; ConfigError (one line naming the file) when it is empty, not UTF-8
+    CSV, or lacks a numeric column the report draws."""
+    path = run_dir / "metrics.csv"
+    try:
+        metrics = pd.read_csv(path, encoding="utf-8")
+    except UnicodeDecodeError as err:
+        problem = f"not text (byte {err.start}: {err.reason})"
+    except pd.errors.EmptyDataError:
+        problem = "empty"
+    except pd.errors.ParserError as err:
+        problem = f"not a CSV table ({' '.join(str(err).split())})"
+    else:
+        missing = [name for name in METRICS_COLUMNS
+                   if name not in metrics.columns or not pd.api.types.is_numeric_dtype(metrics[name])]
+        if not missing:
+            return metrics
+        problem = f"no numeric column {', '.join(missing)}"
+    raise ConfigError(f"{path.absolute()}: {problem}; {DAMAGED_FIX}")
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """The run's summary.json (None without one: a run still going, or killed); ConfigError (one
+    line naming the file) when it is not UTF-8 JSON of an object."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        problem = f"not text (byte {err.start}: {err.reason})"
+    except json.JSONDecodeError as err:
+        problem = f"not JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+    else:
+        if isinstance(summary, dict):
+            return summary
+        problem = f"JSON of a {type(summary).__name__}, not of an object"
+    raise ConfigError(f"{path.absolute()}: {problem}; {DAMAGED_FIX}")
 
 
 def read_config(run_dir: Path) -> dict:
@@ -102,12 +151,11 @@ def report_run(run_dir: str | Path) -> list[Path]:
     """Write run_dir/report/ (PNGs and index.html); returns the files written, the page last."""
     run_dir = Path(run_dir)
     out_dir = run_dir / "report"
+    summary = read_summary(run_dir)  # read (and checked) before any figure is written
     figures = run_figures(run_dir, out_dir)
     config = read_config(run_dir)
     sections = config_sections(run_dir, config)
-    summary_file = run_dir / "summary.json"
-    if summary_file.is_file():
-        summary = json.loads(summary_file.read_text())
+    if summary is not None:
         note = "; ".join(part for part in (summary.get("headline", ""), ACCURACY_NOTE) if part)
         sections.append(Section("Summary", note, tables=[summary_frame(summary)]))
     sections.append(Section("Figures", images=figures))
