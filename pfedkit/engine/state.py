@@ -1,11 +1,19 @@
 """A simulation's state between rounds: what the round loop updates, checkpoints and resumes from,
-and what the clients side (`engine.protocols.Clients`) reads and writes."""
+and what the clients side (`engine.protocols.Clients`) reads and writes; and its checkpoint file.
+
+The checkpoint is data, not a pickle (pfedkit/run_files.py): `torch.load(weights_only=True)`
+reads it, and only SimState and DiskStates are rebuilt from it as objects.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pfedkit.engine.client_states import DiskStates
+from pfedkit.run_files import RunFileError, read_data, write_data
 
 
 @dataclass
@@ -24,3 +32,37 @@ class SimState:
     # keep_optimizer_state: per client, {optimizer name: SGD momentum buffers by parameter name};
     # client-side memory, checkpointed, never sent; a list, or DiskStates like `clients`.
     optimizer_states: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---- the checkpoint file -----------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = "pfedkit-checkpoint-1"
+
+
+def _checkpoint_classes() -> dict[str, type]:
+    """The only classes a checkpoint may hold (run_files: everything else is plain data)."""
+    return {"SimState": SimState, "DiskStates": DiskStates}
+
+
+@dataclass
+class Checkpoint:
+    """What `checkpoints/latest.pt` holds: the state and the identity of the run that wrote it
+    (run_identity.identity), so a checkpoint put into another run's directory is refused."""
+    state: SimState
+    run: dict[str, Any]
+
+
+def write_checkpoint(path: str | Path, state: SimState, run: dict[str, Any]) -> None:
+    """The checkpoint as plain data (run_files), written atomically. Client states on disk are
+    written as their file names (`DiskStates.__getstate__`)."""
+    write_data(path, {"format": CHECKPOINT_FORMAT, "run": run, "state": state}, _checkpoint_classes())
+
+
+def read_checkpoint(path: str | Path, fix: str = "start a new run") -> Checkpoint:
+    """The checkpoint `write_checkpoint` wrote (never unpickled); RunFileError (one line, ending
+    with `fix`) for a file that is missing, damaged, not data, or not a pfedkit checkpoint."""
+    saved = read_data(path, "checkpoint", fix, _checkpoint_classes())
+    if not (isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT
+            and isinstance(saved.get("state"), SimState) and isinstance(saved.get("run"), dict)):
+        raise RunFileError(f"{path}: not a pfedkit checkpoint (expected format {CHECKPOINT_FORMAT}); {fix}")
+    return Checkpoint(saved["state"], saved["run"])
