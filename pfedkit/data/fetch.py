@@ -75,8 +75,13 @@ def fetch(name: str, data_dir: str | None = None, progress: bool = True) -> Path
     root = resolve_data_dir(data_dir)
     if root is None or name not in fetchable():  # _fetch_locked says why in one line
         return _fetch_locked(name, data_dir, progress)
-    with fetch_lock(root, name):
-        return _fetch_locked(name, data_dir, progress)
+    created = not root.exists()
+    try:
+        with fetch_lock(root, name):
+            return _fetch_locked(name, data_dir, progress)
+    finally:
+        if created:  # a data directory this fetch made and left empty (it failed) goes too
+            remove_empty(root)
 
 
 def _fetch_locked(name: str, data_dir: str | None, progress: bool) -> Path:
