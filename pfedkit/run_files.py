@@ -39,6 +39,7 @@ TAG = "__pfedkit__"  # the key of a tagged dict: what the dict stands for
 PRIMITIVES = (type(None), bool, int, float, str)
 TENSORS = (torch.Tensor, torch.nn.Parameter)
 NO_CLASSES: Mapping[str, type] = {}
+RESUME_FIX = "this run cannot be resumed: start a new run (its config.yaml holds its settings)"
 
 
 class RunFileError(ConfigError):
@@ -286,7 +287,7 @@ def read_partition(path: str | Path, num_clients: int, num_rows: int, fix: str) 
 def _row_index(arrays: dict[str, np.ndarray], name: str, num_rows: int) -> np.ndarray:
     rows = arrays[name]
     if rows.ndim != 1 or rows.dtype.kind not in "iu" or (rows.size and not 0 <= rows.min() <= rows.max() < num_rows):
-        raise ValueError(f"{name} is not a list of rows of the dataset's {num_rows}")
+        raise ValueError(f"{name} is not a list of row numbers below the dataset's {num_rows}")
     return rows
 
 

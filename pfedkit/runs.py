@@ -51,12 +51,11 @@ from pfedkit.engine.state import SimState, read_checkpoint, write_checkpoint
 from pfedkit.evaluation import summarize
 from pfedkit.federation import config_dataset, split_plan
 from pfedkit.privacy.setup import privacy_budget
-from pfedkit.run_files import DIAGNOSTICS, RunFileError, read_partition, write_data
+from pfedkit.run_files import DIAGNOSTICS, RESUME_FIX, RunFileError, read_partition, write_data
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
 RUN_IDENTITY = "checkpoints/config.json"  # what the run computes (see run_identity), written once at start
-RESUME_FIX = "this run cannot be resumed: start a new run (its config.yaml holds its settings)"
 
 
 @dataclass

@@ -30,13 +30,12 @@ from typing import Any
 
 from pfedkit.core.contract import message_bytes
 from pfedkit.core.errors import ConfigError
-from pfedkit.run_files import RunFileError, check_data_file, dump_data, read_data
+from pfedkit.run_files import RESUME_FIX, RunFileError, check_data_file, dump_data, read_data
 
 DISK_WINDOW = 128  # clients whose states are in memory together while a round trains them from disk
 AUTO_DISK_FRACTION = 0.5  # auto: disk when the states would take more than this share of available memory
 STATES_DIR = "client_states"  # inside a run directory
 PREFIXES = ("client", "optimizer")  # DiskStates of client states and of optimizer states
-RESUME_FIX = "the run cannot be resumed: start a new run"
 
 
 class DiskStates:

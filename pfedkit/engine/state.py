@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pfedkit.engine.client_states import DiskStates
-from pfedkit.run_files import RunFileError, read_data, write_data
+from pfedkit.run_files import RESUME_FIX, RunFileError, read_data, write_data
 
 
 @dataclass
@@ -39,9 +39,7 @@ class SimState:
 CHECKPOINT_FORMAT = "pfedkit-checkpoint-1"
 
 
-def _checkpoint_classes() -> dict[str, type]:
-    """The only classes a checkpoint may hold (run_files: everything else is plain data)."""
-    return {"SimState": SimState, "DiskStates": DiskStates}
+CHECKPOINT_CLASSES = {"SimState": SimState, "DiskStates": DiskStates}  # the only objects a checkpoint holds
 
 
 @dataclass
@@ -55,13 +53,13 @@ class Checkpoint:
 def write_checkpoint(path: str | Path, state: SimState, run: dict[str, Any]) -> None:
     """The checkpoint as plain data (run_files), written atomically. Client states on disk are
     written as their file names (`DiskStates.__getstate__`)."""
-    write_data(path, {"format": CHECKPOINT_FORMAT, "run": run, "state": state}, _checkpoint_classes())
+    write_data(path, {"format": CHECKPOINT_FORMAT, "run": run, "state": state}, CHECKPOINT_CLASSES)
 
 
-def read_checkpoint(path: str | Path, fix: str = "start a new run") -> Checkpoint:
+def read_checkpoint(path: str | Path, fix: str = RESUME_FIX) -> Checkpoint:
     """The checkpoint `write_checkpoint` wrote (never unpickled); RunFileError (one line, ending
     with `fix`) for a file that is missing, damaged, not data, or not a pfedkit checkpoint."""
-    saved = read_data(path, "checkpoint", fix, _checkpoint_classes())
+    saved = read_data(path, "checkpoint", fix, CHECKPOINT_CLASSES)
     if not (isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT
             and isinstance(saved.get("state"), SimState) and isinstance(saved.get("run"), dict)):
         raise RunFileError(f"{path}: not a pfedkit checkpoint (expected format {CHECKPOINT_FORMAT}); {fix}")
