@@ -1,7 +1,10 @@
 """Atomic file writes: write to a temporary file beside the target, then rename over it.
 
 A run killed mid-write leaves either the old file or the new one, never half of one, which is
-what makes `pfedkit run --resume` safe.
+what makes `pfedkit run --resume` safe. What a kill -9 does leave is the temporary file,
+`.NAME.PID.tmp`; `remove_stale_temporaries` (called by resume) removes those of processes that
+are gone. The temporary file is created new (O_EXCL) and never through a symbolic link
+(O_NOFOLLOW): a link planted under that name in a shared folder is replaced, not written through.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as handle:
+        with open(_new_file(tmp), "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -27,6 +30,39 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def _new_file(path: Path) -> int:
+    """A file descriptor of `path` created afresh for writing: whatever was there (a stale
+    temporary file of a killed process with this PID, a symbolic link) is removed first, and
+    the creation itself refuses to follow a link or to open an existing file."""
+    path.unlink(missing_ok=True)  # a link is removed itself, its target is not touched
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Remove the `.NAME.PID.tmp` files in `folder` that `atomic_write` calls of processes no
+    longer running left behind (a kill -9 mid-write); returns them. Files of a live process
+    (another run writing there) are kept."""
+    removed = []
+    for path in Path(folder).glob(".*.*.tmp"):
+        pid = path.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    if os.name == "nt":  # os.kill would terminate the process there: keep the file
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):  # gone, or no process id at all
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def atomic_write_bytes(path: str | Path, payload: bytes) -> None:

@@ -18,8 +18,9 @@ from pfedkit.config import Config, load_config, split_config_and_overrides
 from pfedkit.core.errors import ConfigError
 from pfedkit.data.datasets import Dataset, load_dataset
 from pfedkit.data.export import write_export
-from pfedkit.data.federated import SplitPlan, load_partition, split_indices
+from pfedkit.data.federated import SplitPlan, split_indices
 from pfedkit.data.hf import require_datasets
+from pfedkit.run_files import read_partition
 
 
 def split_plan(config: Config) -> SplitPlan:
@@ -50,8 +51,8 @@ def resolve_partition(items: list[str]) -> tuple[Config, Dataset, list[np.ndarra
                               "give a run directory or a config file / key=value overrides")
         config = load_config(first / "config.yaml")
         dataset = config_dataset(config)
-        with np.load(first / "partition.npz") as saved:
-            train_index, test_index = load_partition(dict(saved))
+        train_index, test_index = read_partition(first / "partition.npz", config.num_clients, len(dataset.y),
+                                                 "export a run directory pfedkit wrote, or give its config")
         return config, dataset, train_index, test_index
     config = load_config(source, overrides)
     dataset = config_dataset(config)

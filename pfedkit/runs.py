@@ -8,9 +8,18 @@ Run directory (one per run under `out_dir`):
     checkpoints/latest.pt   everything needed to resume (server, clients, metrics so far)
     checkpoints/config.json what the run computes (run_identity.identity); resume refuses an edit of it
     client_states/   with client_states=disk: one file per client state (the checkpoint names them)
+    diagnostics.pt   what the algorithm recorded (Algorithm.record), for `pfedkit report`
+    clients.npz      per client x class tables, for `pfedkit report`
 Every file is written atomically; `run(resume=DIR)` continues a killed run and ends with metrics
 identical to an uninterrupted run, because all randomness is derived from (seed, round, client,
 purpose) and the checkpoint holds the whole simulation state.
+
+Every file read back is data, never unpickled (pfedkit/run_files.py): a run directory may come
+from anyone. Resume checks what it reads before it changes anything: partition.npz, the
+checkpoint (refused when another run wrote it: it holds that run's identity) and the client
+state files it names; a missing, damaged or foreign file is one RunFileError line (exit 2) and
+the directory is left as it was. Only then does it remove what a killed write left behind
+(`.NAME.PID.tmp` files of atomic writes, client state files newer than the checkpoint).
 The directory is claimed by `mkdir` (never shared, never reused); a run whose training loss
 becomes non-finite stops (`TrainingDiverged`) keeping the metrics of its completed rounds.
 """
@@ -25,24 +34,24 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 import yaml
 from tqdm import tqdm
 
-from pfedkit.atomic import atomic_savez, atomic_torch_save, atomic_write_json, atomic_write_text
+from pfedkit.atomic import atomic_savez, atomic_write_json, atomic_write_text, remove_stale_temporaries
 from pfedkit.build import build_algorithm, check_precision, make_runtime, model_name, simulation_for, uses_channels_last
 from pfedkit.config import Config, load_config
 from pfedkit.core.errors import ConfigError
-from pfedkit.data.federated import FederatedData, assemble, build_federated, load_partition
-from pfedkit.engine.client_states import STATES_DIR, Placement, disk_stores
+from pfedkit.data.federated import FederatedData, assemble, build_federated
+from pfedkit.engine.client_states import STATES_DIR, DiskStates, Placement, disk_stores
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.simulate import Simulation, TrainingDiverged
-from pfedkit.engine.state import SimState
+from pfedkit.engine.state import SimState, read_checkpoint, write_checkpoint
 from pfedkit.evaluation import summarize
 from pfedkit.federation import config_dataset, split_plan
 from pfedkit.privacy.setup import check_a_round_fits, privacy_budget
+from pfedkit.run_files import DIAGNOSTICS, RESUME_FIX, RunFileError, read_partition, write_data
 from pfedkit.run_identity import changed_keys, describe_changes, identity
 
 CHECKPOINT = "checkpoints/latest.pt"
@@ -66,6 +75,8 @@ def run(config: str | Path | dict | Config | None = None, overrides: list[str] |
         config = load_config(run_dir / "config.yaml")
         check_unchanged(run_dir, config)
         context = prepare(config, resume_dir=run_dir)
+        for folder in (run_dir, run_dir / "checkpoints"):  # only now: a refused resume changes nothing
+            remove_stale_temporaries(folder)
     else:
         if not isinstance(config, Config):
             config = load_config(config, overrides)
@@ -100,7 +111,14 @@ def check_unchanged(run_dir: Path, config: Config) -> None:
     stored_file = run_dir / RUN_IDENTITY
     if not stored_file.is_file():
         return
-    changes = changed_keys(json.loads(stored_file.read_text()), identity(config))
+    try:
+        stored = json.loads(stored_file.read_text())
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RunFileError(f"{stored_file}: not readable JSON ({err}); {RESUME_FIX}") from None
+    if not isinstance(stored, dict):
+        raise RunFileError(f"{stored_file}: not a run's identity (a {type(stored).__name__}, expected an "
+                           f"object of config keys); {RESUME_FIX}")
+    changes = changed_keys(stored, identity(config))
     if changes:
         raise ConfigError(f"--resume {run_dir}: config.yaml was edited after the run started "
                           f"({describe_changes(changes)}); a resumed run must continue with the settings it "
@@ -124,10 +142,12 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
     check_precision(config)
     dataset = config_dataset(config)
     channels_last = uses_channels_last(config, dataset.input_shape)
+    saved = None
     if resume_dir is not None:
-        with np.load(resume_dir / "partition.npz") as saved:
-            train_index, test_index = load_partition(dict(saved))
+        train_index, test_index = read_partition(resume_dir / "partition.npz", config.num_clients, len(dataset.y),
+                                                 RESUME_FIX)
         data = assemble(dataset, train_index, test_index, channels_last)
+        saved = resumed_state(resume_dir, config)
     else:
         data = build_federated(split_plan(config), dataset, channels_last)
     algorithm, archs = build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
@@ -139,10 +159,8 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
                                 placement=Placement(config.client_states, state_dir, config.out_dir))
     if resume_dir is None:
         check_a_round_fits(config, simulation)
-    if resume_dir is not None and (resume_dir / CHECKPOINT).is_file():
-        state = torch.load(resume_dir / CHECKPOINT, weights_only=False)
-        for store in disk_stores(state):
-            store.reopen(state_dir)
+    if saved is not None:
+        state = saved
         if not getattr(state, "optimizer_states", None) and config.keep_optimizer_state:
             state.optimizer_states = [{} for _ in range(data.num_clients)]  # a checkpoint from before the option
     else:
@@ -151,6 +169,41 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
             client_params=None if client_ops is None else [o.initial_params() for o in client_ops],
             client_buffers=None if client_ops is None else [o.initial_buffers() for o in client_ops])
     return Prepared(data, simulation, state, runtime)
+
+
+def resumed_state(run_dir: Path, config: Config) -> SimState | None:
+    """The state of `run_dir`'s checkpoint (None: killed before its first one), checked to be
+    this run's (the identity it holds), of its clients, with its client state files in place."""
+    path = run_dir / CHECKPOINT
+    if not path.is_file():
+        return None
+    checkpoint = read_checkpoint(path, RESUME_FIX)
+    if changes := changed_keys(checkpoint.run, identity(config)):
+        raise RunFileError(f"{path}: written by another run ({describe_changes(changes)}); {RESUME_FIX}")
+    state = checkpoint.state
+    if misfit := state_misfit(state, config):
+        raise RunFileError(f"{path}: does not fit this run of {config.num_clients} clients and {config.rounds} "
+                           f"rounds (it holds {misfit}); {RESUME_FIX}")
+    for store in disk_stores(state):
+        store.reopen(run_dir / STATES_DIR)
+    return state
+
+
+def state_misfit(state: SimState, config: Config) -> str | None:
+    """What in a checkpoint's state does not fit `config`'s clients and rounds (None: it fits)."""
+    per_client = {"client states": state.clients, "BatchNorm statistics": state.buffers}
+    if state.optimizer_states:
+        per_client["optimizer states"] = state.optimizer_states
+    for what, values in per_client.items():
+        if not isinstance(values, (list, DiskStates)):
+            return f"{what} of type {type(values).__name__}"
+        if len(values) != config.num_clients:
+            return f"{len(values)} {what}"
+    if type(state.round) is not int or not 0 <= state.round <= config.rounds:
+        return f"round {state.round!r}"
+    if not isinstance(state.rows, list):
+        return f"metrics rows of type {type(state.rows).__name__}"
+    return None
 
 
 def check_run_name(name: str) -> None:
@@ -206,8 +259,8 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
             if budget is not None and (stop := budget.exhausted(state.rows, state.round,
                                                                 budget.participants(state.round + 1))):
                 tqdm.write(stop, file=sys.stderr)  # a normal end: the rounds done are written, the summary follows
-                if state.round:
-                    save_progress(run_dir, state, checkpoint=context.resumable)  # checkpoint_every may have skipped it
+                if state.round:  # checkpoint_every may have skipped it
+                    save_progress(run_dir, state, identity(config), checkpoint=context.resumable)
                 break
             try:
                 report = sim.run_round(state)
@@ -224,7 +277,7 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
             # Metrics every round (a kill loses no finished round's numbers); the checkpoint, the
             # costly part, every `checkpoint_every` rounds (a resume repeats the rounds after it).
             due = state.round % config.checkpoint_every == 0 or state.round == config.rounds
-            save_progress(run_dir, state, checkpoint=context.resumable and due)
+            save_progress(run_dir, state, identity(config), checkpoint=context.resumable and due)
     finally:
         bar.close()
         context.runtime.close()
@@ -253,19 +306,20 @@ def keep_completed_rounds(run_dir: Path, state: SimState, config: Config, err: T
     err.hint = f"lower lr (now {config.lr}) or set {clip}, then start a new run; {run_dir} keeps {kept}"
 
 
-def save_progress(run_dir: Path, state: SimState, checkpoint: bool = True) -> None:
-    """Metrics first, then the checkpoint: a kill between them only repeats a round on resume."""
+def save_progress(run_dir: Path, state: SimState, run: dict[str, Any], checkpoint: bool = True) -> None:
+    """Metrics first, then the checkpoint (with `run`, the run's identity): a kill between them
+    only repeats a round on resume."""
     metrics = pd.DataFrame(state.rows)
     atomic_write_text(run_dir / "metrics.csv", metrics.to_csv(index=False))
     if checkpoint:
         stores = disk_stores(state)
         for store in stores:
             store.sync()  # the files the checkpoint names are on disk before it is
-        atomic_torch_save(run_dir / CHECKPOINT, state)
+        write_checkpoint(run_dir / CHECKPOINT, state, run)
         for store in stores:
             store.pin()
     if state.diagnostics:
-        atomic_torch_save(run_dir / "diagnostics.pt", state.diagnostics)
+        write_data(run_dir / DIAGNOSTICS, state.diagnostics)
 
 
 def finish_summary(run_dir: Path, state: SimState, config: Config, data: FederatedData,

@@ -73,11 +73,10 @@ def interrupt_and_resume(config: dict, tmp_path, monkeypatch, after_round: int =
 
 def final_state(result):
     """The SimState saved with a finished run (server, clients, buffers...)."""
-    import torch
-
+    from pfedkit.engine.state import read_checkpoint
     from pfedkit.runs import CHECKPOINT
 
-    return torch.load(result.run_dir / CHECKPOINT, weights_only=False)
+    return read_checkpoint(result.run_dir / CHECKPOINT).state
 
 
 def learned_run(config: dict):

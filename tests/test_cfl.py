@@ -13,6 +13,7 @@ from pfedkit.algorithms.cfl import CFL, bipartition, cosine_distances, should_sp
 from pfedkit.core.contract import Setup
 from pfedkit.core.params import flatten
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 RULE = {"eps1": 0.4, "eps2": 1.6, "warmup": 20, "min_cluster_size": 2}
 
@@ -162,7 +163,7 @@ def test_end_to_end_digits_with_forced_splits(small_config, tmp_path):
     state = final_state(result)
     model_bytes = 4 * num_parameters(state.server["models"][0])
     assert (metrics["bytes_down"] == model_bytes).all() and (metrics["bytes_up"] == model_bytes + 8).all()
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert sorted(diagnostics["splits"]) == [2, 3] and diagnostics["splits"][2].tolist() == [[0, 1]]
     assert len(state.server["models"]) == 1 + sum(len(s) for s in diagnostics["splits"].values())
     assert diagnostics["cluster_assignment"][1].tolist() == [0] * 6

@@ -3,8 +3,6 @@ checkpoints that name files which stay valid, resume after a crash mid-round, an
 refusals of `auto` / `memory` / `disk`."""
 from __future__ import annotations
 
-import pickle
-
 import pandas as pd
 import pytest
 import torch
@@ -13,6 +11,8 @@ import pfedkit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine import client_states, simulate
 from pfedkit.engine.client_states import STATES_DIR, DiskStates, choose_placement
+from pfedkit.engine.state import read_checkpoint
+from pfedkit.run_files import RunFileError, read_data, write_data
 from pfedkit.runs import CHECKPOINT
 
 
@@ -21,7 +21,7 @@ def _run(config: dict, mode: str, name: str, **extra):
 
 
 def _final_states(run_dir) -> list:
-    state = torch.load(run_dir / CHECKPOINT, weights_only=False)
+    state = read_checkpoint(run_dir / CHECKPOINT).state
     if isinstance(state.clients, DiskStates):
         state.clients.reopen(run_dir / STATES_DIR)
     return list(state.clients)
@@ -92,32 +92,42 @@ def test_crash_mid_round_resumes_to_the_uninterrupted_numbers(small_config, tmp_
     assert (run_dir / "metrics.csv").read_bytes() == (reference.run_dir / "metrics.csv").read_bytes()
     assert resumed.summary["final_acc"] == reference.summary["final_acc"]
     assert _equal_states(_final_states(run_dir), _final_states(reference.run_dir))
-    named = set(torch.load(run_dir / CHECKPOINT, weights_only=False).clients.names)
+    named = set(read_checkpoint(run_dir / CHECKPOINT).state.clients.names)
     assert {path.name for path in (run_dir / STATES_DIR).iterdir()} == named  # nothing stray left
 
 
+def _checkpointed(states: DiskStates, path) -> None:
+    """`states` as a checkpoint stores them (a plain-data file: their names)."""
+    write_data(path, states, {"DiskStates": DiskStates})
+
+
+def _from_checkpoint(path) -> DiskStates:
+    return read_data(path, "checkpoint", "start a new run", {"DiskStates": DiskStates})
+
+
 def test_files_a_checkpoint_names_are_kept_until_the_next_one(tmp_path):
-    states = DiskStates(tmp_path, "client", [{"w": torch.zeros(3)}, {"w": torch.ones(3)}])
-    checkpoint = pickle.dumps(states)
+    states = DiskStates(tmp_path / "states", "client", [{"w": torch.zeros(3)}, {"w": torch.ones(3)}])
+    _checkpointed(states, tmp_path / "latest.pt")
     states.pin()
     first = set(states.names)
     states[0] = {"w": torch.full((3,), 5.0)}
     states[0] = {"w": torch.full((3,), 6.0)}  # the middle version was never checkpointed: deleted
-    on_disk = {path.name for path in tmp_path.iterdir()}
+    on_disk = {path.name for path in (tmp_path / "states").iterdir()}
     assert on_disk == first | {states.names[0]}
     assert torch.equal(states[0]["w"], torch.full((3,), 6.0))
-    restored = pickle.loads(checkpoint)
-    restored.reopen(tmp_path)  # the checkpoint's view: version 1 of both, the newer file deleted
+    restored = _from_checkpoint(tmp_path / "latest.pt")
+    restored.reopen(tmp_path / "states")  # the checkpoint's view: version 1 of both, the newer file deleted
     assert torch.equal(restored[0]["w"], torch.zeros(3)) and torch.equal(restored[1]["w"], torch.ones(3))
-    assert {path.name for path in tmp_path.iterdir()} == first
+    assert {path.name for path in (tmp_path / "states").iterdir()} == first
 
 
-def test_a_checkpoint_pickles_only_file_names(tmp_path):
-    states = DiskStates(tmp_path, "client", [{"w": torch.zeros(10_000)} for _ in range(3)])
-    assert len(pickle.dumps(states)) < 1_000
-    (tmp_path / states.names[1]).unlink()
-    with pytest.raises(FileNotFoundError, match="gone"):
-        pickle.loads(pickle.dumps(states)).reopen(tmp_path)
+def test_a_checkpoint_holds_only_file_names(tmp_path):
+    states = DiskStates(tmp_path / "states", "client", [{"w": torch.zeros(10_000)} for _ in range(3)])
+    _checkpointed(states, tmp_path / "latest.pt")
+    assert (tmp_path / "latest.pt").stat().st_size < 2_000  # 3 x 40 KB of states, named only
+    (tmp_path / "states" / states.names[1]).unlink()
+    with pytest.raises(RunFileError, match="not there"):
+        _from_checkpoint(tmp_path / "latest.pt").reopen(tmp_path / "states")
     with pytest.raises(IndexError):
         states[3]
 

@@ -22,6 +22,7 @@ from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 # short digits runs (the defaults need ~10x more server time per round)
 FAST = {"retrain_epochs": 30, "retrain_lr": 0.1, "feature_steps": 50, "feature_lr": 1.0, "grad_repeats": 2}
@@ -253,7 +254,7 @@ def test_digits_run_messages_diagnostics_and_evaluated_model(small_config, tmp_p
     assert (joined["bytes_down"] == sigma + phi).all()
     assert (joined["bytes_up"] == [sigma + owned[c] * phi + 8 for c in joined["client"]]).all()
     assert metrics.loc[metrics["round"] == 3, "accuracy"].mean() > 0.3  # 10 classes: chance 0.1
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert sorted(diagnostics["matching_loss"]) == [1, 2, 3]
     assert all(diagnostics["matching_loss"][r] < diagnostics["matching_loss_start"][r] for r in (1, 2, 3))
     # the evaluated model is the FedAvg body with phi_re

@@ -21,6 +21,7 @@ from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import weighted_mean
 from pfedkit.models import build_model
 from pfedkit.report.run_report import report_run
+from pfedkit.run_files import read_diagnostics
 
 C = 4  # classes in the synthetic tests
 
@@ -515,7 +516,7 @@ def test_full_participation_results_do_not_depend_on_held_share(runs):
 
 
 def test_keeping_unheld_classes_helps_under_partial_participation(partial_runs):
-    kept = torch.load(partial_runs[1.0].run_dir / "diagnostics.pt", weights_only=False)["kept_class_models"]
+    kept = read_diagnostics(partial_runs[1.0].run_dir / "diagnostics.pt")["kept_class_models"]
     assert np.mean([len(classes) for classes in kept.values()]) >= 3  # 3 participants x 2 classes < 10
     assert partial_runs[1.0].summary["last5_acc"] > partial_runs[0.0].summary["last5_acc"] + 0.2
 
@@ -536,7 +537,7 @@ def test_client_mixing_matches_server_mixing_under_full_participation(runs):
 
 def test_wdr_brings_estimate_closer_to_true_distribution(runs):
     def gap(result):
-        diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+        diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
         true = next(iter(diagnostics["true_class_distribution"].values()))
         estimate = diagnostics["estimated_class_distribution"][2]
         return float(np.linalg.norm(estimate - true, axis=1).mean())
@@ -545,7 +546,7 @@ def test_wdr_brings_estimate_closer_to_true_distribution(runs):
 
 def test_diagnostics_recorded_and_report_drawn(runs):
     result = runs["wdr"]
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert sorted(diagnostics["estimated_class_distribution"]) == [1, 2]
     assert len(diagnostics["true_class_distribution"]) == 1
     estimate = diagnostics["estimated_class_distribution"][2]

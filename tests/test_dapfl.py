@@ -18,6 +18,7 @@ from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import flatten, squared_distance
 from pfedkit.engine.trainer import FitJob
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
 
 from conftest import num_parameters
@@ -359,7 +360,7 @@ def test_default_sigma_keeps_the_distance_term_alive(tmp_path):
     """At the default settings the weights of round >= 2 are NOT just the affinity row normalised
     (sigma = 1 made them so: the paper's ablation V2)."""
     result = pfedkit.run({**CONFIG, "rounds": 3, "out_dir": str(tmp_path)})
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     matrix = diagnostics["affinity"][0]
     gaps = []
     for rnd in (2, 3):
@@ -394,7 +395,7 @@ def test_end_to_end_digits_half_participation(tmp_path):
     assert (joined["bytes_down"] == model_bytes).all() and (joined["bytes_up"] == model_bytes).all()
     assert (trained.loc[trained["participated"] == 0, ["bytes_up", "bytes_down"]] == 0).all().all()
     # diagnostics: affinity once (setup), weights rows for each round's participants
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert list(diagnostics["affinity"]) == [0]
     for rnd, weights in diagnostics["aggregation_weights"].items():
         participants = joined.loc[joined["round"] == rnd, "client"].tolist()

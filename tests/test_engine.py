@@ -14,13 +14,14 @@ import torch.nn.functional as F
 import pfedkit
 from pfedkit.config import load_config
 from pfedkit.core.seeds import sample_clients
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.runs import CHECKPOINT, prepare
 
 from conftest import interrupt_and_resume, num_parameters
 
 
 def final_server_params(result) -> dict:
-    return torch.load(result.run_dir / CHECKPOINT, weights_only=False).server["params"]
+    return read_checkpoint(result.run_dir / CHECKPOINT).state.server["params"]
 
 
 def test_fedprox_with_mu_zero_equals_fedavg(small_config):

@@ -13,6 +13,7 @@ import pfedkit
 from pfedkit.algorithms.fedamp import FedAMP, attention_row, squared_distances_to
 from pfedkit.core.contract import ClientData, Setup
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 from tests.conftest import final_state, num_parameters
 
 CONFIG = {"algorithm": "fedamp", "dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1,
@@ -142,7 +143,7 @@ def test_digits_run_learns_sends_one_model_each_way_and_records_xi(run):
     for cid, client in enumerate(state.clients):  # the evaluated model is the client's own = its latest upload
         params = client["params"]
         assert all(torch.equal(params[k], state.server["models"][cid][k]) for k in params)
-    xi = torch.load(run.run_dir / "diagnostics.pt", weights_only=False)["xi"]
+    xi = read_diagnostics(run.run_dir / "diagnostics.pt")["xi"]
     assert sorted(xi) == [1, 2, 3]
     for matrix in xi.values():
         assert matrix.shape == (4, 4)
@@ -155,7 +156,7 @@ def test_digits_run_learns_sends_one_model_each_way_and_records_xi(run):
 
 
 def test_report_draws_the_xi_heatmaps(run, tmp_path):
-    diagnostics = torch.load(run.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(run.run_dir / "diagnostics.pt")
     written = draw_diagnostics(FedAMP, diagnostics, tmp_path)
     assert [p.name for p in written] == ["fedamp_xi.png", "fedamp_guarded_rows.png"]
     assert all(p.is_file() for p in written)

@@ -14,6 +14,7 @@ import pfedkit
 from pfedkit.algorithms.feddistill import distillation_term, feddistill_loss
 from pfedkit.config import load_config
 from pfedkit.core.contract import Forward, cross_entropy
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
 
 from conftest import final_state
@@ -199,7 +200,7 @@ def test_end_to_end_bytes_diagnostic_and_accuracy(config):
     for _, row in m.iterrows():
         assert row["bytes_up"] == owned[int(row["client"])] * 10 * 4
         assert row["bytes_down"] == (0 if row["round"] == 1 else classes * 10 * 4)
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert sorted(diagnostics["global_logits"]) == [1, 2, 3]
     assert all(matrix.shape == (10, 10) for matrix in diagnostics["global_logits"].values())
     last = m[m["round"] == 3]

@@ -16,6 +16,7 @@ from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import flatten
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 from conftest import TinyNet, final_state, num_parameters, tiny_params
 
@@ -184,7 +185,7 @@ def test_digits_run_mixes_peers_and_counts_m_models_down(small_config):
     model_bytes = 4 * num_parameters(state.clients[0]["params"])
     assert (result.metrics["bytes_down"] == 2 * model_bytes + 2 * 8).all()  # M models + their ids
     assert (result.metrics["bytes_up"] == model_bytes + 2 * 8).all()  # model + M ratios
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     for rnd in (1, 2, 3):
         weights = diagnostics["weights"][rnd]
         assert weights.shape == (4, 4) and (weights >= 0).all()

@@ -17,6 +17,7 @@ from pfedkit.config import load_config
 from pfedkit.core.params import select
 from pfedkit.core.seeds import SERVER, torch_generator
 from pfedkit.engine.trainer import FitJob
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
 
 from conftest import final_state
@@ -163,7 +164,7 @@ def test_end_to_end_bytes_diagnostics_and_accuracy(config):
         assert row["bytes_up"] == body_bytes + (counts[int(row["client"])] > 0).sum() * (d * 4 + 8)
     state = final_state(result)
     torch.testing.assert_close(state.server["prototypes"].norm(dim=1), torch.ones(c))
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert sorted(diagnostics["prototypes"]) == [1, 2, 3] and diagnostics["prototypes"][3].shape == (c, d)
     assert all(v == 30.0 for v in diagnostics["scale"].values())
     assert (diagnostics["prototype_shift"][1] > 0).all()  # every class has data: every row moved

@@ -18,6 +18,7 @@ from pfedkit.core.params import weighted_mean
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 COLUMNS = ["round", "client", "accuracy", "loss", "correct"]
 
@@ -173,7 +174,7 @@ def test_digits_half_participation_bytes_groups_and_report(small_config, tmp_pat
     phase2 = joined[joined["round"] >= 2].groupby("client")["round"].min()
     assert senders.map(len).eq(1).all() and (senders.str[0] == phase2[senders.index]).all()
     assert sorted(senders.index) == sorted(phase2.index)
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     assert diagnostics["groups"] == {2: 2}
     final = diagnostics["cluster_assignment"][4]
     assert final.shape == (6,) and set(final[final >= 0]) <= {0, 1}

@@ -15,8 +15,10 @@ from pfedkit.algorithms.fedrema import (FedReMa, alignment_loss, ccp_continues, 
 from pfedkit.config import load_config
 from pfedkit.core.params import flatten, select
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.models import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import CHECKPOINT, prepare
 
 from conftest import SHARED_DATASETS, needs_dataset, num_parameters
@@ -438,7 +440,7 @@ def test_one_client_equals_local_and_fedavg(tmp_path):
     def by_layer(params):
         return {name.split(".", 1)[1]: value for name, value in params.items()}
 
-    states = {name: torch.load(r.run_dir / CHECKPOINT, weights_only=False) for name, r in runs.items()}
+    states = {name: read_checkpoint(r.run_dir / CHECKPOINT).state for name, r in runs.items()}
     fedrema = by_layer({**states["fedrema"].server["body"], **states["fedrema"].server["heads"][0]})
     for other in (by_layer(states["fedavg"].server["params"]), by_layer(states["local"].clients[0]["params"])):
         assert fedrema.keys() == other.keys()
@@ -452,12 +454,12 @@ def test_digits_run_learns_records_and_counts_bytes(tmp_path):
     result = pfedkit.run(config)
     metrics = result.metrics
     assert result.summary["best_acc"] > 0.4  # 10 classes: chance is 0.1
-    state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
+    state = read_checkpoint(result.run_dir / CHECKPOINT).state
     model_bytes = 4 * num_parameters({**state.server["body"], **state.server["heads"][0]})
     assert (metrics["bytes_down"] == model_bytes).all()
     assert (metrics["bytes_up"] == model_bytes + 8).all()  # + n_i
 
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     ccp_rounds = [r for r, active in diagnostics["ccp_active"].items() if active]
     assert sorted(diagnostics["relevance"]) == ccp_rounds and ccp_rounds[0] == 1
     assert all(diagnostics["relevance"][r].shape == (5, 5) for r in ccp_rounds)
@@ -481,7 +483,7 @@ def test_alignment_variant_bytes_carry_prototypes(tmp_path):
     config = digits_config(tmp_path, rounds=2, fedrema={"variant": "AF"}, dataset="mnist", model="cnn",
                            data_dir=str(SHARED_DATASETS))
     result = pfedkit.run(config)
-    state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
+    state = read_checkpoint(result.run_dir / CHECKPOINT).state
     model_bytes = 4 * num_parameters({**state.server["body"], **state.server["heads"][0]})
     feature_dim = 1024  # FedAvgCNN on 28x28: the flattened conv output
     metrics = result.metrics.set_index(["round", "client"])

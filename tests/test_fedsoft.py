@@ -16,6 +16,7 @@ from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import flatten
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
 
 from conftest import TinyNet, final_state, num_parameters, tiny_params
@@ -205,7 +206,7 @@ def test_digits_run_learns_and_sends_all_centres(small_config):
     model_bytes = 4 * num_parameters(state.clients[0]["params"])
     assert (result.metrics["bytes_down"] == 3 * model_bytes + 8).all()  # S centres + the flag
     assert (result.metrics["bytes_up"] == model_bytes + 3 * 8 + 8).all()  # w_k, u_k, n_k
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     weights = diagnostics["cluster_weights"][3]
     assert weights.shape == (4, 3) and (weights >= 1e-4 - 1e-9).all()
     np.testing.assert_array_equal(diagnostics["cluster_assignment"][3], weights.argmax(axis=1))

@@ -13,6 +13,7 @@ from pfedkit.algorithms.fesem import FeSEM, draw_initial_centres, e_step, m_step
 from pfedkit.core.contract import Setup
 from pfedkit.core.errors import ConfigError
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 COLUMNS = ["round", "client", "participated", "accuracy", "loss", "train_loss", "train_steps", "bytes_up", "bytes_down"]
 
@@ -128,7 +129,7 @@ def test_end_to_end_digits_local_models_bytes_and_report(small_config, tmp_path)
     assert (joined["bytes_down"] == model_bytes).all() and (joined["bytes_up"] == model_bytes + 8).all()
     for cid, model in state.server["models"].items():  # the server's copy is the client's local model
         assert same(model, state.clients[cid]["params"])
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     for rnd, vector in diagnostics["cluster_assignment"].items():
         participants = joined.loc[joined["round"] == rnd, "client"].tolist()
         assert vector.shape == (4,) and all((vector[c] >= 0) == (c in participants) for c in range(4))

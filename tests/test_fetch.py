@@ -172,7 +172,7 @@ def test_broken_archive_with_matching_checksum_is_refused(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not convert" in err
     assert _visible_files(root) == []
-    assert list((root / ".downloads" / "cifar100").iterdir()) == []
+    assert not (root / ".downloads").exists(), "no empty folder nor lock file left behind"
 
 
 def test_pickle_with_foreign_objects_is_refused(tmp_path, monkeypatch, capsys):
@@ -333,4 +333,90 @@ def test_a_killed_fetch_leaves_no_stale_lock(tmp_path, monkeypatch):
         holder.wait()
     assert done.wait(10), "the fetch must go ahead once the holder is gone"
     waiter.join()
-    assert (root / "mnist" / "mnist.npz.xz").is_file() and (root / ".downloads" / "mnist.lock").exists()
+    assert (root / "mnist" / "mnist.npz.xz").is_file()
+    assert not (root / ".downloads").exists(), "the lock file goes with the fetch that held it last"
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline, planted links, and pickles only after their MD5 (issue 43)
+# ---------------------------------------------------------------------------------------------
+
+def test_offline_fetch_names_every_missing_file_and_every_mirror_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    import socket
+    import urllib.error
+
+    tried = []
+
+    def offline(url, part, offset, progress):
+        tried.append(url)
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setattr(download_module, "download", offline)
+    root = tmp_path / "data"
+    assert main(["data", "fetch", "mnist", "--data-dir", str(root), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no network connection" in err, err
+    source = sources.SOURCES["mnist"]
+    assert sorted(tried) == sorted(url for item in source.files for url in item.urls)  # every file, every mirror
+    for item in source.files:
+        assert item.filename in err
+        for url in item.urls:
+            assert url.removesuffix(item.filename) in err
+    assert not root.exists(), "no empty .downloads/mnist folder, no lock file, no empty data directory"
+
+
+VICTIM = b"a file outside the data directory"
+
+
+@pytest.mark.parametrize("planted", ["train-images-idx3-ubyte.gz", "train-images-idx3-ubyte.gz.part",
+                                     "../mnist.lock", "."])
+def test_a_link_planted_in_the_downloads_folder_is_never_written_through(planted, tmp_path, monkeypatch):
+    """A shared data directory: someone plants a symbolic link where a fetch writes (a download, its
+    .part, the lock, the dataset's downloads folder itself); the fetch replaces the link and the
+    file (or folder) it points to is untouched."""
+    files, (x_train, _, x_test, _) = _mnist_fixture()
+    _serve(monkeypatch, "mnist", files)
+    root, outside = tmp_path / "data", tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / ("folder" if planted == "." else "victim")
+    if planted == ".":
+        victim.mkdir()
+        (victim / "kept").write_bytes(VICTIM)
+    else:
+        victim.write_bytes(VICTIM)
+    link = (root / ".downloads" / "mnist" / planted).resolve() if planted != "." else root / ".downloads" / "mnist"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim)
+
+    assert main(["data", "fetch", "mnist", "--data-dir", str(root), "-q"]) == 0
+
+    if planted == ".":
+        assert [p.name for p in victim.iterdir()] == ["kept"] and (victim / "kept").read_bytes() == VICTIM
+    else:
+        assert victim.read_bytes() == VICTIM
+    data = load_dataset("mnist", str(root), cache_dir=str(tmp_path / "cache"))
+    np.testing.assert_array_equal(data.stored, np.concatenate([x_train, x_test]))
+
+
+def test_cifar_archives_are_unpickled_only_after_their_md5_matches(tmp_path, monkeypatch, capsys):
+    """CIFAR's archives are pickles: a substituted archive (here one whose batch would run code)
+    fails its published MD5 and is deleted unread; the converter never sees it."""
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    files, _ = _cifar10_fixture()
+    evil = _tar_gz({f"cifar-10-batches-py/{name}": pickle.dumps(Payload())
+                    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]})
+    _serve(monkeypatch, "cifar10", {"cifar-10-python.tar.gz": evil}, published=files)
+    converted = []
+    source = sources.SOURCES["cifar10"]
+    monkeypatch.setitem(sources.SOURCES, "cifar10", dataclasses.replace(
+        source, convert=lambda *args: converted.append(args) or source.convert(*args)))
+    assert main(["data", "fetch", "cifar10", "--data-dir", str(tmp_path / "data"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checksum mismatch for cifar-10-python.tar.gz" in err
+    assert converted == [] and not marker.exists()
+    assert _visible_files(tmp_path / "data") == []

@@ -78,6 +78,72 @@ def test_unsendable_values_are_refused_with_the_type_named():
         pack(np.array([object()], dtype=object))
 
 
+def _tampered(entry: str, change) -> "flwr.app.RecordDict":
+    """A message whose payload `put` wrote, then `change(record)` made something else of."""
+    from flwr.app import RecordDict
+
+    record = RecordDict()
+    put(record, "payload", {"params": {"w": torch.ones(2)}, "weight": 3})
+    change(record)
+    return record
+
+
+def _refused_messages(marker: Path) -> dict[str, "flwr.app.RecordDict"]:
+    import json
+    import pickle
+
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    evil = pickle.dumps(Payload())
+    skeleton = {"t": "dict", "items": [["x", {"t": "tensor", "k": "99"}]]}
+
+    def replace(key, value):
+        return lambda record: record.__setitem__(key, value)
+
+    return {
+        "a pickle as an array": _tampered("arrays", replace("payload.arrays", ArrayRecord(
+            {"0": Array(dtype="float32", shape=(2,), stype="pickle", data=evil)}))),
+        "a pickled object array in numpy's format": _tampered("arrays", replace("payload.arrays", ArrayRecord(
+            {"0": Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=_npy_of_objects(Payload()))}))),
+        "a skeleton as bytes": _tampered("meta", replace("payload.meta", ConfigRecord({"skeleton": evil}))),
+        "a config record for the arrays": _tampered("arrays", replace("payload.arrays", ConfigRecord({"0": evil}))),
+        "an unknown skeleton node": _tampered("meta", replace("payload.meta", ConfigRecord(
+            {"skeleton": json.dumps({"t": "pickle", "v": evil.hex()})}))),
+        "an object-dtype scalar": _tampered("meta", replace("payload.meta", ConfigRecord(
+            {"skeleton": json.dumps({"t": "npscalar", "dtype": "|O", "v": 1})}))),
+        "a tensor missing from the arrays": _tampered("meta", replace("payload.meta", ConfigRecord(
+            {"skeleton": json.dumps(skeleton)}))),
+        "a meta record with more entries": _tampered("meta", replace("payload.meta", ConfigRecord(
+            {"skeleton": "null", "code": evil}))),
+    }
+
+
+def _npy_of_objects(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([obj], dtype=object), allow_pickle=True)
+    return buffer.getvalue()
+
+
+def test_a_message_carrying_anything_but_arrays_and_a_json_skeleton_is_refused(tmp_path):
+    """What a node decodes from the server and the server from a node (`take`): anything but the
+    numpy arrays and JSON skeleton `put` writes is one RecordError line, and nothing runs."""
+    from pfedkit.flower.records import RecordError
+
+    marker = tmp_path / "payload-ran"
+    for case, record in _refused_messages(marker).items():
+        with pytest.raises(RecordError) as refused:
+            take(record, "payload")
+        assert "\n" not in str(refused.value) and "payload" in str(refused.value), case
+    assert not marker.exists()
+    assert take(_tampered("none", lambda record: None), "payload")["weight"] == 3  # untouched: accepted
+
+
 # --- Flower simulation == sequential -----------------------------------------------------------
 
 def _overrides(algorithm: str, tmp_path: Path, extra: list[str] = ()) -> list[str]:

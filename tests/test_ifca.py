@@ -13,6 +13,7 @@ from pfedkit.core.contract import ClientData, Setup
 from pfedkit.core.params import weighted_mean
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
+from pfedkit.run_files import read_diagnostics
 
 COLUMNS = ["round", "client", "participated", "accuracy", "loss", "train_loss", "train_steps", "bytes_down"]
 
@@ -113,7 +114,7 @@ def test_end_to_end_digits_bytes_assignments_and_report(small_config, tmp_path):
     assert len(joined) == 3 * 3
     assert (joined["bytes_down"] == 2 * model_bytes).all()  # k models down
     assert (joined["bytes_up"] == model_bytes + 16).all()  # one model + j + n_i up
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     for rnd, vector in diagnostics["cluster_assignment"].items():
         participants = joined.loc[joined["round"] == rnd, "client"].tolist()
         assert vector.shape == (4,)

@@ -11,6 +11,7 @@ import pfedkit
 from pfedkit.cli import main
 from pfedkit.config import load_config, per_client_model_options
 from pfedkit.core.errors import ConfigError
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.runs import CHECKPOINT, prepare
 
 WIDTHS = [18, 20, 20, 22]  # conv2 channels of clients 0..3
@@ -67,7 +68,7 @@ def test_overlapping_ranges_exit_2(tmp_path, capsys):
 @needs_dataset("mnist")
 def test_pfedpm_mh_clients_have_their_own_architectures_and_learn(tmp_path):
     result = pfedkit.run(mh_config(tmp_path, name="seq"))
-    state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
+    state = read_checkpoint(result.run_dir / CHECKPOINT).state
     widths = [client["params"]["body.conv2.weight"].shape[0] for client in state.clients]
     assert widths == WIDTHS
     assert [client["params"]["body.fc1.weight"].shape[1] for client in state.clients] == [16 * w for w in WIDTHS]
@@ -95,6 +96,6 @@ def test_rpfedpm_mh_and_vectorized_backend_run(tmp_path):
     result = pfedkit.run(mh_config(tmp_path, name="rp", algorithm="rpfedpm"))
     assert len(result.metrics) == 2 * 4
     vec = pfedkit.run(mh_config(tmp_path, name="vec", backend="vectorized"))
-    state = torch.load(vec.run_dir / CHECKPOINT, weights_only=False)
+    state = read_checkpoint(vec.run_dir / CHECKPOINT).state
     assert [client["params"]["body.conv2.weight"].shape[0] for client in state.clients] == WIDTHS
     assert vec.metrics["accuracy"].notna().all()

@@ -17,6 +17,7 @@ from pfedkit.algorithms.pfedcs import (PFedCS, candidate_mask, classifier_distan
 from pfedkit.config import load_config
 from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import build_model
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
 
 from conftest import num_parameters
@@ -69,7 +70,7 @@ def model_sizes(result) -> tuple[int, int]:
 
 
 def diagnostics_of(result) -> dict:
-    return torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    return read_diagnostics(result.run_dir / "diagnostics.pt")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,11 +22,13 @@ from pfedkit.config import load_config
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.model_ops import ModelOps
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, request_schedule
 from pfedkit.models import build_model
 from pfedkit.models.relation import (RelationModule, make_pairs, relation_buffers, relation_params,
                                      relation_scores)
 from pfedkit.report.run_report import report_run
+from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import CHECKPOINT, prepare
 
 D = 6  # feature dimension of the synthetic tests
@@ -334,8 +336,8 @@ def test_lambda_zero_without_relation_head_reduces_to_local_training(digits_conf
     pfedpm = pfedkit.run({**digits_config, "pfedpm": {"lam": 0.0}})
     columns = ["round", "client", "correct", "accuracy", "loss", "train_loss"]
     pd.testing.assert_frame_equal(local.metrics[columns], pfedpm.metrics[columns])
-    clients_local = torch.load(local.run_dir / CHECKPOINT, weights_only=False).clients
-    clients_pfedpm = torch.load(pfedpm.run_dir / CHECKPOINT, weights_only=False).clients
+    clients_local = read_checkpoint(local.run_dir / CHECKPOINT).state.clients
+    clients_pfedpm = read_checkpoint(pfedpm.run_dir / CHECKPOINT).state.clients
     for a, b in zip(clients_local, clients_pfedpm):
         assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
@@ -365,7 +367,7 @@ def test_relation_gradient_reaches_the_body_unless_detached(digits_config):
     pfedpm = pfedkit.run(config)
     detached = pfedkit.run({**config, "algorithm": "rpfedpm", "rpfedpm": {"relation_detach_body": True}})
     joint = pfedkit.run({**config, "algorithm": "rpfedpm"})
-    clients = [torch.load(r.run_dir / CHECKPOINT, weights_only=False).clients for r in (pfedpm, detached, joint)]
+    clients = [read_checkpoint(r.run_dir / CHECKPOINT).state.clients for r in (pfedpm, detached, joint)]
     for plain, no_grad, with_grad in zip(*clients):
         assert all(torch.equal(plain["params"][n], no_grad["params"][n]) for n in plain["params"])
         assert any(not torch.equal(plain["params"][n], with_grad["params"][n]) for n in plain["params"])
@@ -527,7 +529,7 @@ def test_relation_module_keeps_its_momentum_with_keep_optimizer_state(digits_con
     config = {**digits_config, "algorithm": "rpfedpm", "rounds": 2, "momentum": 0.5, "keep_optimizer_state": True}
     for form, slot in (("joint", "default"), ("alternate", "relation")):
         result = pfedkit.run({**config, "rpfedpm": {"relation_training": form}})
-        kept = torch.load(result.run_dir / CHECKPOINT, weights_only=False).optimizer_states
+        kept = read_checkpoint(result.run_dir / CHECKPOINT).state.optimizer_states
         for state in kept:
             assert "relation.conv.weight" in state[slot]
             assert not any(name.startswith("relation.bn.running") for name in state[slot])  # never trained
@@ -566,8 +568,8 @@ def test_end_to_end_on_digits(name, digits_config):
     if name == "rpfedpm-alternate":
         config["rpfedpm"] = {"relation_training": "alternate", "relation_epochs": 2}
     result = pfedkit.run(config)
-    state = torch.load(result.run_dir / CHECKPOINT, weights_only=False)
-    diagnostics = torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    state = read_checkpoint(result.run_dir / CHECKPOINT).state
+    diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
     prepared = prepare(load_config(config))
     data, algo = prepared.data, prepared.simulation.algorithm
     d = algo.feature_dim

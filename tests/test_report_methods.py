@@ -10,12 +10,12 @@ import ast
 from pathlib import Path
 
 import pytest
-import torch
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.pfedpm import PFedPM
 from pfedkit.report.methods import draw_diagnostics, drawing_module_name
+from pfedkit.run_files import read_diagnostics
 
 PACKAGE = Path(pfedkit.__file__).parent
 
@@ -29,7 +29,7 @@ DRAWN = ("fedrema", "pfedcs", "cwfedavg", "rpfedpm")
 def digits_diagnostics(algorithm: str, tmp_path: Path) -> dict:
     result = pfedkit.run({"algorithm": algorithm, "dataset": "digits", "num_clients": 4, "rounds": 2,
                           "threads": 1, "seed": 1, "out_dir": str(tmp_path / "runs")})
-    return torch.load(result.run_dir / "diagnostics.pt", weights_only=False)
+    return read_diagnostics(result.run_dir / "diagnostics.pt")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_a_subclass_in_another_module_draws_its_parents_figures(rpfedpm_diagnost
 def test_an_algorithm_without_a_drawing_module_draws_nothing(small_config, rpfedpm_diagnostics, tmp_path):
     result = pfedkit.run(small_config)  # fedavg
     recorded = result.run_dir / "diagnostics.pt"
-    own = torch.load(recorded, weights_only=False) if recorded.is_file() else {}
+    own = read_diagnostics(recorded) if recorded.is_file() else {}
     # with diagnostics another method would draw, too: the lookup, not the data, decides
     diagnostics = {**rpfedpm_diagnostics, **own}
     assert draw_diagnostics(get_algorithm("fedavg"), diagnostics, tmp_path / "report") == []

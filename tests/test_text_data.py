@@ -17,6 +17,7 @@ from pfedkit.data import fetch as fetch_module
 from pfedkit.data import sources
 from pfedkit.data import text
 from pfedkit.data.datasets import load_dataset
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.models import build_model
 from pfedkit.runs import run
 
@@ -161,7 +162,7 @@ def test_two_rounds_on_ag_news_learn_the_fixture(served, tmp_path, backend):
 
 
 def _checkpoint(run_dir):
-    return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+    return read_checkpoint(run_dir / "checkpoints" / "latest.pt").state
 
 
 def test_fedper_shares_the_fasttext_body_and_keeps_each_head(served, tmp_path):

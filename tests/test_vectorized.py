@@ -19,6 +19,7 @@ from pfedkit.config import load_config
 from pfedkit.core.contract import Fit, Forward
 from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
+from pfedkit.engine.state import read_checkpoint
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.engine.trainer import batch_schedule
 from pfedkit.runs import CHECKPOINT, prepare
@@ -76,8 +77,8 @@ def test_vectorized_run_matches_sequential(algorithm, tmp_path, capsys):
     assert sequential.metrics["participated"].min() == 0  # join_ratio < 1
     np.testing.assert_allclose(vectorized.metrics["accuracy"], sequential.metrics["accuracy"], atol=1e-4)
     np.testing.assert_allclose(vectorized.metrics["train_loss"], sequential.metrics["train_loss"], atol=1e-5)
-    seq_state = torch.load(sequential.run_dir / CHECKPOINT, weights_only=False)
-    vec_state = torch.load(vectorized.run_dir / CHECKPOINT, weights_only=False)
+    seq_state = read_checkpoint(sequential.run_dir / CHECKPOINT).state
+    vec_state = read_checkpoint(vectorized.run_dir / CHECKPOINT).state
     if algorithm == "local":
         pairs = [(v["params"], s["params"]) for v, s in zip(vec_state.clients, seq_state.clients)]
     else:

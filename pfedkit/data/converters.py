@@ -3,7 +3,10 @@ images, y uint8 labels, test bool; FEMNIST adds writer and writer_names): MNIST'
 CIFAR's python-pickle archives, Tiny-ImageNet's cs231n zip and FEMNIST's Hub parquet shards.
 
 Each `convert_*` is a `Source.convert` (data/sources.py): (downloaded files, progress) -> arrays.
-Official training rows come first, then the official test rows, in the published order.
+Official training rows come first, then the official test rows, in the published order. A
+converter only receives files whose published MD5 matched (data/fetch.py converts after
+`download.obtain_all`, which checks each file), so CIFAR's pickles are unpickled only once
+they are the published bytes, and even then by `_ArraysOnlyUnpickler`.
 
 FEMNIST (`flwrlabs/femnist`, LEAF's FEMNIST) is read with the Hugging Face `datasets` library (the
 optional `hf` extra); it has no official test split. Tiny-ImageNet: its `val` split (labelled) is
@@ -53,7 +56,8 @@ def convert_idx(files: dict[str, Path], progress: bool = False) -> Arrays:
 
 class _ArraysOnlyUnpickler(pickle.Unpickler):
     """The CIFAR archives are pickles, and unpickling can run arbitrary code: allow only what a
-    pickled numpy array needs, so a tampered archive fails instead of executing."""
+    pickled numpy array needs, so a tampered archive fails instead of executing. (A second line
+    of defence: the archive reaching here has already matched its published MD5.)"""
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"),
                ("_codecs", "encode")}  # how Python 3 writes bytes at pickle protocol 2 (a re-pickled batch)

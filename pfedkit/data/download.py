@@ -2,7 +2,13 @@
 mirrors tried in order), Hub datasets, and the lock that keeps two fetches of one dataset apart.
 
 Downloads go to `<data dir>/.downloads/<name>/<file>.part` and resume from there (HTTP Range) when
-interrupted; a file is kept only once its published checksum matches. The network is touched in
+interrupted; a file is kept, as `<file>`, only once its published checksum matches, so nothing
+downloaded is read (CIFAR's pickles included) before its MD5 is checked. The data directory may be
+shared, so nothing there is written through a symbolic link: a link planted at `.downloads`,
+`.downloads/<name>`, a `.part`, a downloaded file's name or the lock is removed (the link, never its
+target); a new `.part` is created fresh (O_EXCL, mode 0600) and `download` refuses to open a link
+(O_NOFOLLOW). (The `.part` keeps its fixed name rather than a random temporary one so that a
+download killed outright, `kill -9` included, still resumes.) The network is touched in
 one place per kind of source, `download` (a URL) and `download_hub` (a Hugging Face Hub dataset:
 FEMNIST); the tests replace these two (`monkeypatch.setattr(pfedkit.data.download, "download",
 ...)`: callers look them up in this module when they call).
@@ -13,8 +19,10 @@ holds an exclusive lock, `<data dir>/.downloads/<name>.lock` (`fcntl.flock`), fr
 at the target to its last write. A second fetch says so in one line and *waits*; when it gets the
 lock the file is there and it returns at once ("already present"). Waiting, not refusing: a script
 that fetches before it runs should not fail because a neighbour fetched first; Ctrl-C stops the
-wait. flock locks die with their process, so a killed fetch leaves no stale lock (the lock file
-itself stays, empty: deleting it could let a third fetch lock a different file). Where `fcntl` does
+wait. flock locks die with their process, so a killed fetch leaves no stale lock. A fetch that
+ends deletes the lock file while it still holds the lock (and `.downloads` when empty), and a
+fetch that gets a lock checks that the file it locked is still the one at the lock's path
+(else it locks the new one), so deleting never lets two fetches in at once. Where `fcntl` does
 not exist (Windows), fetches are not locked.
 """
 from __future__ import annotations
@@ -22,13 +30,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import http.client
+import os
 import socket
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from pfedkit.data.hf import require_datasets
 from pfedkit.data.sources import SourceFile
@@ -60,7 +71,7 @@ def download(url: str, part: Path, offset: int, progress: ProgressCallback) -> N
         start = offset if resumed else 0
         length = response.headers.get("Content-Length")
         total = start + int(length) if length and length.isdigit() else None
-        with open(part, "ab" if resumed else "wb") as handle:
+        with open_no_follow(part, append=bool(resumed)) as handle:
             received = start
             progress(received, total)
             while chunk := response.read(CHUNK):
@@ -82,36 +93,97 @@ def download_hub(repo_id: str, revision: str | None, folder: Path) -> list[Path]
 
 # --- published files: mirrors, resume, MD5 ----------------------------------------------------
 
+@dataclass
+class DownloadFailed(Exception):
+    """One file that no mirror delivered: `obtain_all` reports every such file in one line."""
+    filename: str
+    urls: tuple[str, ...]  # the mirrors tried
+    reason: str            # why, in a few words
+    kind: str              # "offline" (no connection), "refused" (HTTP errors) or "interrupted"
+
+
+def obtain_all(items: Iterable[SourceFile], folder: Path, progress: bool) -> dict[str, Path]:
+    """{filename: path} of every item (`obtain`); every file tried before a failure is reported,
+    in one DataError naming each file missing and each mirror tried."""
+    files, failures = {}, []
+    for item in items:
+        try:
+            files[item.filename] = obtain(item, folder, progress)
+        except DownloadFailed as failure:
+            failures.append(failure)
+    if failures:
+        raise DataError(describe_failures(failures, folder))
+    return files
+
+
+def describe_failures(failures: list[DownloadFailed], folder: Path) -> str:
+    """One line: the files not downloaded, why, every mirror tried, and what to do."""
+    mirrors = list(dict.fromkeys(url.removesuffix(f.filename) or url for f in failures for url in f.urls))
+    reasons = list(dict.fromkeys(f.reason for f in failures))
+    if len(reasons) == 1:
+        what = f"{', '.join(f.filename for f in failures)}: {reasons[0]}"
+    else:
+        what = "; ".join(f"{f.filename}: {f.reason}" for f in failures)
+    kinds = {f.kind for f in failures}
+    if "interrupted" in kinds:
+        fix = "run the same command again to resume"
+    elif kinds == {"offline"}:
+        fix = f"run this on a machine with internet access, or download the file(s) yourself into {folder}"
+    else:
+        fix = f"download the file(s) yourself into {folder} and run the command again"
+    count = f"{len(failures)} files" if len(failures) > 1 else "1 file"
+    return f"cannot download {count} ({what}; mirrors tried: {', '.join(mirrors)}); {fix}"
+
+
 def obtain(item: SourceFile, folder: Path, progress: bool) -> Path:
     """`folder/item.filename`, downloaded (resuming a `.part` left by an interrupted attempt) and
-    checked against the published MD5. A file placed there by hand is checked and used."""
+    checked against the published MD5. A file placed there by hand is checked and used; a link
+    there is removed, never followed. DownloadFailed when no mirror delivers it."""
     done = folder / item.filename
-    if done.is_file():
+    if done.is_file() and not done.is_symlink():
         check_md5(done, item)
         return done
-    part = folder / f"{item.filename}.part"
+    remove_link(done)
+    part = _own_part(folder / f"{item.filename}.part")
+    try:
+        _download_from_mirrors(item, part, progress)
+    except BaseException:
+        if part.is_file() and not part.stat().st_size:  # nothing arrived: nothing to resume, nothing left
+            part.unlink()
+        raise
+    check_md5(part, item)  # a mismatch deletes it: the next attempt starts afresh
+    part.replace(done)
+    return done
+
+
+def _own_part(part: Path) -> Path:
+    """`part` as a regular file to append to: a link there is removed (its target untouched), a
+    missing part is created new (O_EXCL, never through a link, mode 0600)."""
+    remove_link(part)
+    if not part.exists():
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    return part
+
+
+def _download_from_mirrors(item: SourceFile, part: Path, progress: bool) -> None:
+    """Append `item` to `part` from the first mirror that delivers it; DownloadFailed if none."""
     refused, unreachable = [], None
     for url in item.urls:  # mirrors serve the same bytes (same MD5): a part resumes on any of them
-        before = part.stat().st_size if part.is_file() else 0
+        before = part.stat().st_size
         try:
             _download_with_bar(url, part, item.filename, progress)
-            break
+            return
         except (urllib.error.HTTPError, http.client.HTTPException) as err:
             refused.append(f"{url}: {err}")
         except (urllib.error.URLError, OSError) as err:
             if isinstance(err, OSError) and getattr(err, "filename", None):
                 raise  # a local file error (disk full, permissions), not the network
-            if (part.stat().st_size if part.is_file() else 0) > before:
-                _raise_network(url, err, part, done)  # dropped mid-transfer: resume later, here or elsewhere
-            unreachable = (url, err)  # could not connect: try the next mirror
-    else:
-        if unreachable is not None:
-            _raise_network(*unreachable, part, done)
-        raise DataError(f"cannot download {item.filename}: every source refused ({'; '.join(refused)}); "
-                        f"download it yourself into {done} and run the command again")
-    check_md5(part, item)
-    part.replace(done)
-    return done
+            if part.stat().st_size > before:  # dropped mid-transfer: resume later, here or elsewhere
+                raise _network_failure(item, url, err, part) from None
+            unreachable = err  # could not connect: try the next mirror
+    if unreachable is not None:
+        raise _network_failure(item, None, unreachable, part) from None
+    raise DownloadFailed(item.filename, item.urls, f"every mirror refused ({'; '.join(refused)})", "refused")
 
 
 def _download_with_bar(url: str, part: Path, label: str, progress: bool) -> None:
@@ -138,16 +210,16 @@ def _download_with_bar(url: str, part: Path, label: str, progress: bool) -> None
             bar.close()
 
 
-def _raise_network(url: str, err: BaseException, part: Path, done: Path) -> None:
+def _network_failure(item: SourceFile, url: str | None, err: BaseException, part: Path) -> DownloadFailed:
+    """`url` None: no mirror could be reached; else `url` dropped the transfer (`part` keeps what came)."""
     reason = getattr(err, "reason", err)
-    kept = part.stat().st_size if part.is_file() else 0
-    resume = f"{kept} bytes kept in {part}: run the same command again to resume" if kept else \
-        "run the same command again"
     unreachable = getattr(reason, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH)
-    if isinstance(reason, (socket.gaierror, ConnectionRefusedError)) or unreachable:
-        raise DataError(f"cannot download {url}: no network connection ({reason}); run this on a machine "
-                        f"with internet access, or download the file yourself into {done}") from None
-    raise DataError(f"download of {url} interrupted ({reason}); {resume}") from None
+    if url is None and (isinstance(reason, (socket.gaierror, ConnectionRefusedError)) or unreachable):
+        return DownloadFailed(item.filename, item.urls, f"no network connection ({reason})", "offline")
+    tried = item.urls if url is None else item.urls[:item.urls.index(url) + 1]
+    kept = part.stat().st_size if part.is_file() else 0
+    kept_text = f", {kept} bytes kept in {part}" if kept else ""
+    return DownloadFailed(item.filename, tried, f"interrupted ({reason}){kept_text}", "interrupted")
 
 
 def check_md5(path: Path, item: SourceFile) -> None:
@@ -170,35 +242,102 @@ def _file_digest(path: Path, digest) -> str:
     return digest.hexdigest()
 
 
+# --- no symbolic links in a shared data directory ---------------------------------------------
+
+def remove_link(path: Path) -> None:
+    """Remove `path` if it is a symbolic link (the link itself: its target is never touched)."""
+    if path.is_symlink():
+        path.unlink()
+
+
+def private_folder(path: Path) -> Path:
+    """`path` as a real folder, created if needed: a link planted there is removed first."""
+    remove_link(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def open_no_follow(path: Path, append: bool) -> BinaryIO:
+    """`path` opened for writing (appending, or from the start), refusing to follow a link."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC) | getattr(os, "O_NOFOLLOW", 0)
+    return open(os.open(path, flags, 0o600), "ab" if append else "wb")
+
+
+def remove_empty(folder: Path) -> None:
+    """Remove `folder` if it is an empty real folder (another fetch may be using it: then kept)."""
+    try:
+        if not folder.is_symlink():
+            folder.rmdir()
+    except OSError:  # not empty, or gone
+        pass
+
+
 # --- one fetch per dataset and data directory at a time -------------------------------------
 
 @contextmanager
 def fetch_lock(root: Path, name: str):
     """Exclusive lock on `root/.downloads/<name>.lock` for the body of the `with` (module docstring):
-    taken at once when free, else after one line on stderr, waiting for the holder to finish."""
+    taken at once when free, else after one line on stderr, waiting for the holder to finish. The
+    lock file (and `.downloads`, when empty) is removed when the body ends."""
     try:
         import fcntl
     except ImportError:  # Windows: no flock; fetches are not locked
         yield
         return
     path = root / ".downloads" / f"{name}.lock"
+    handle = _take_lock(fcntl, path, root, name)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a+b")
-    except OSError as err:
-        raise DataError(f"data fetch {name}: cannot create the lock file {path} ({err.strerror}); "
-                        "is the data directory writable?") from None
-    with handle:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: a waiter sees it gone and locks a new file
+        remove_empty(path.parent)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def _take_lock(fcntl, path: Path, root: Path, name: str) -> BinaryIO:
+    """The lock file at `path`, opened (never through a link) and flock-ed; if the holder we
+    waited for removed it meanwhile, the new file at `path` is locked instead."""
+    waited = False
+    while True:
+        handle = _open_lock_file(path, name)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            say(f"{name}: another `pfedkit data fetch {name}` is writing to {root} (lock {path}); "
-                "waiting for it to finish (Ctrl-C to stop)")
+            if not waited:
+                say(f"{name}: another `pfedkit data fetch {name}` is writing to {root} (lock {path}); "
+                    "waiting for it to finish (Ctrl-C to stop)")
+                waited = True
             fcntl.flock(handle, fcntl.LOCK_EX)
+        if _is_file_at(handle, path):
+            return handle
+        handle.close()
+
+
+def _open_lock_file(path: Path, name: str) -> BinaryIO:
+    while True:
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            private_folder(path.parent)  # .downloads
+            remove_link(path)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+            return open(os.open(path, flags, 0o644), "r+b")
+        except FileNotFoundError:  # a fetch that ended removed .downloads just now: again
+            continue
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # a link planted between the two calls: removed next time
+                continue
+            raise DataError(f"data fetch {name}: cannot create the lock file {path} ({err.strerror}); "
+                            "is the data directory writable?") from None
+
+
+def _is_file_at(handle: BinaryIO, path: Path) -> bool:
+    """Whether the open `handle` is still the file at `path` (not removed nor replaced)."""
+    try:
+        here = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(handle.fileno())
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def say(text: str) -> None:

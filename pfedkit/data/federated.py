@@ -4,7 +4,8 @@ Which pool is partitioned and where test data come from follows settings.md §1.
 `per_client` merges the official splits into one pool and splits each client's share (75/25,
 stratified by default); `official_fraction` (DA-PFL) and `official_shots` (FedProto/pFedPM)
 partition the official training split and draw each client's test set from the official test split.
-The index arrays (into the dataset's rows) are what `partition.npz` stores.
+The index arrays (into the dataset's rows) are what `partition.npz` stores (`partition_arrays`;
+read back, checked, by `run_files.read_partition`).
 
 The data layer reads no Config: a run's partition settings arrive as a `SplitPlan` of plain
 values, which `pfedkit.federation.split_plan(config)` builds.
@@ -124,8 +125,3 @@ def client_data(dataset: Dataset, cid: int, train: np.ndarray, test: np.ndarray,
     labels = torch.from_numpy(dataset.y)
     return ClientData(cid, rows(train), labels[torch.from_numpy(np.asarray(train, dtype=np.int64))],
                       rows(test), labels[torch.from_numpy(np.asarray(test, dtype=np.int64))], counts)
-
-
-def load_partition(arrays: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    count = int(arrays["num_clients"])
-    return [arrays[f"train_{c}"] for c in range(count)], [arrays[f"test_{c}"] for c in range(count)]

@@ -7,6 +7,12 @@ MD5) and the lock that makes a second fetch of the same dataset wait are data/do
 module ties them: it converts the downloads, writes the file atomically and only after the
 converted arrays have been read back through the loader's own checks (data/images.py,
 data/text.py) and compared, so a run never sees a truncated or half-converted file.
+
+Conversion starts only once every file of the source has passed its published MD5 (`obtain_all`
+returns only checked files): CIFAR's archives are Python pickles, so a tampered or substituted
+archive is deleted unread, and even a matching one is read with an unpickler that builds numpy
+arrays only (data/converters.py). A fetch that fails leaves no empty folder or lock file behind,
+only a `.part` to resume from.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from pfedkit.atomic import atomic_write_bytes, atomic_write_text
 from pfedkit.data import download as network  # `network.download_hub` is looked up per call: tests replace it
 from pfedkit.data import images, text
 from pfedkit.data.datasets import DATASETS
-from pfedkit.data.download import fetch_lock, obtain, say, sha256_file
+from pfedkit.data.download import fetch_lock, obtain_all, private_folder, remove_empty, say, sha256_file
 from pfedkit.data.hf import require_datasets
 from pfedkit.data.sources import SOURCES, HubSource, Source, fetchable
 from pfedkit.data.store import (DataError, DatasetInfo, NamedArrays, dataset_path, encode_xz, record_checksum,
@@ -69,8 +75,13 @@ def fetch(name: str, data_dir: str | None = None, progress: bool = True) -> Path
     root = resolve_data_dir(data_dir)
     if root is None or name not in fetchable():  # _fetch_locked says why in one line
         return _fetch_locked(name, data_dir, progress)
-    with fetch_lock(root, name):
-        return _fetch_locked(name, data_dir, progress)
+    created = not root.exists()
+    try:
+        with fetch_lock(root, name):
+            return _fetch_locked(name, data_dir, progress)
+    finally:
+        if created:  # a data directory this fetch made and left empty (it failed) goes too
+            remove_empty(root)
 
 
 def _fetch_locked(name: str, data_dir: str | None, progress: bool) -> Path:
@@ -84,17 +95,19 @@ def _fetch_locked(name: str, data_dir: str | None, progress: bool) -> Path:
     if target.is_file():
         say(f"{name}: already present at {target} (not downloaded)")
         return target
-    downloads = root / ".downloads" / name
-    downloads.mkdir(parents=True, exist_ok=True)
+    downloads = private_folder(private_folder(root / ".downloads") / name)
     info = DATASETS[name]
     kind = KINDS[info.kind]
-    if isinstance(source, HubSource):
-        arrays, provenance = _fetch_hub(name, source, downloads, progress)
-    else:
-        files = {item.filename: obtain(item, downloads, progress) for item in source.files}
-        if progress:  # quiet: only the result or the one-line error
-            say(f"{name}: {kind.converting} {', '.join(files)}")
-        arrays, provenance = _convert(name, source, kind, files, progress), _provenance(source, files)
+    try:
+        if isinstance(source, HubSource):
+            arrays, provenance = _fetch_hub(name, source, downloads, progress)
+        else:
+            files = obtain_all(source.files, downloads, progress)  # each one MD5-checked: only then converted
+            if progress:  # quiet: only the result or the one-line error
+                say(f"{name}: {kind.converting} {', '.join(files)}")
+            arrays, provenance = _convert(name, source, kind, files, progress), _provenance(source, files)
+    finally:
+        remove_empty(downloads)  # a failed fetch keeps only what it can resume from
     digest = _install(root, info, kind, arrays, provenance)
     shutil.rmtree(downloads, ignore_errors=True)  # the archives are no longer needed
     say(f"{name}: {kind.summary(arrays)} -> {target}\nsha256 {digest}")

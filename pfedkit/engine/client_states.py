@@ -7,14 +7,20 @@ or evaluated at the moment (`DISK_WINDOW` at a time). `auto` (the default) choos
 the states would take more than half of the memory this machine has available.
 
 A write never changes a file: it makes a new one and deletes the old one unless the last
-checkpoint names it. A checkpoint therefore pickles only the file names (`DiskStates`
-pickles as its names), those files stay until the next checkpoint has landed, and a resumed run
-reads its states from the directory as the checkpoint left it, whatever happened after.
+checkpoint names it. A checkpoint therefore holds only the file names (`DiskStates` is stored
+as its names), those files stay until the next checkpoint has landed, and a resumed run reads
+its states from the directory as the checkpoint left it, whatever happened after.
+
+The files sit in the run directory, which travels, so they are data like the checkpoint
+(pfedkit/run_files.py: plain-data `torch.save` files read with `weights_only=True`, never
+unpickled), and a checkpoint names only files of the pattern `{prefix}-{cid}.{version}.pt` in
+the states' directory: a crafted checkpoint can point neither at a pickle nor outside.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -24,18 +30,18 @@ from typing import Any
 
 from pfedkit.core.contract import message_bytes
 from pfedkit.core.errors import ConfigError
-from pfedkit.engine.runtimes import transport  # exact tensor pickling, shared with the processes backend
+from pfedkit.run_files import RESUME_FIX, RunFileError, check_data_file, dump_data, read_data
 
 DISK_WINDOW = 128  # clients whose states are in memory together while a round trains them from disk
 AUTO_DISK_FRACTION = 0.5  # auto: disk when the states would take more than this share of available memory
 STATES_DIR = "client_states"  # inside a run directory
+PREFIXES = ("client", "optimizer")  # DiskStates of client states and of optimizer states
 
 
 class DiskStates:
     """A list of per-client objects kept as files in `directory` (`{prefix}-{cid}.{version}.pt`):
     `states[cid]` reads client cid's object, `states[cid] = value` writes a new one. The files are
-    pickles with tensors as raw bytes (`transport.dump`: exact values and strides), so, as with
-    a checkpoint, only files this run wrote should be read."""
+    plain-data `.pt` files (run_files: tensors with their exact values and strides)."""
 
     def __init__(self, directory: str | Path, prefix: str, values: Iterable[Any], scratch: Any = None) -> None:
         """`scratch`: the TemporaryDirectory that `directory` is, kept alive (and deleted) with this store."""
@@ -52,15 +58,14 @@ class DiskStates:
         return len(self.names)
 
     def __getitem__(self, cid: int) -> Any:
-        with open(self.directory / self.names[self._index(cid)], "rb") as handle:
-            return transport.load(handle)
+        return read_data(self.directory / self.names[self._index(cid)], f"state of client {cid}", RESUME_FIX)
 
     def __setitem__(self, cid: int, value: Any) -> None:
         cid = self._index(cid)
         self.version += 1
         name = f"{self.prefix}-{cid}.{self.version}.pt"
         with open(self.directory / name, "wb") as handle:
-            transport.dump(value, handle)
+            dump_data(value, handle)
         old, self.names[cid] = self.names[cid], name
         self.unsynced.add(name)
         if old is not None and old not in self.pinned:
@@ -99,17 +104,30 @@ class DiskStates:
         return {"prefix": self.prefix, "names": list(self.names), "version": self.version}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
-        self.prefix, self.names, self.version = saved["prefix"], saved["names"], saved["version"]
-        self.pinned, self.unsynced, self._scratch, self.directory = set(saved["names"]), set(), None, None
+        """From a checkpoint: ValueError unless it names files of this store's own pattern."""
+        prefix, names, version = saved["prefix"], saved["names"], saved["version"]
+        if prefix not in PREFIXES or type(names) is not list or type(version) is not int:
+            raise ValueError(f"client state files named as {prefix!r}, {type(names).__name__}, "
+                             f"{type(version).__name__} (expected one of {PREFIXES}, a list, a number)")
+        pattern = re.compile(rf"{prefix}-(\d+)\.(\d+)\.pt")
+        for cid, name in enumerate(names):
+            named = pattern.fullmatch(name) if isinstance(name, str) else None
+            if named is None or int(named[1]) != cid or int(named[2]) > version:
+                raise ValueError(f"client {cid}'s state file is named {name!r}, not {prefix}-{cid}.N.pt")
+        self.prefix, self.names, self.version = prefix, names, version
+        self.pinned, self.unsynced, self._scratch, self.directory = set(names), set(), None, None
 
     def reopen(self, directory: str | Path) -> None:
-        """After unpickling from a checkpoint: read from `directory`, deleting the files written
-        after that checkpoint (a run killed mid-round wrote some of the next states)."""
+        """After reading a checkpoint: read from `directory`, deleting the files written after
+        that checkpoint (a run killed mid-round wrote some of the next states). RunFileError,
+        with nothing deleted, when a file the checkpoint names is missing or damaged."""
         self.directory = Path(directory)
         missing = [name for name in self.names if not (self.directory / name).is_file()]
         if missing:
-            raise FileNotFoundError(f"{self.directory}: the checkpoint names client state files that are gone "
-                                    f"({len(missing)}, e.g. {missing[0]})")
+            raise RunFileError(f"{self.directory}: the checkpoint names {len(missing)} client state file(s) that "
+                               f"are not there (e.g. {missing[0]}); {RESUME_FIX}")
+        for name in self.names:  # a truncated or empty file is refused now, not rounds later
+            check_data_file(self.directory / name, "client state file", RESUME_FIX)
         for path in self.directory.glob(f"{self.prefix}-*.pt"):
             if path.name not in self.pinned:
                 path.unlink()

@@ -1,11 +1,19 @@
 """A simulation's state between rounds: what the round loop updates, checkpoints and resumes from,
-and what the clients side (`engine.protocols.Clients`) reads and writes."""
+and what the clients side (`engine.protocols.Clients`) reads and writes; and its checkpoint file.
+
+The checkpoint is data, not a pickle (pfedkit/run_files.py): `torch.load(weights_only=True)`
+reads it, and only SimState and DiskStates are rebuilt from it as objects.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pfedkit.engine.client_states import DiskStates
+from pfedkit.run_files import RESUME_FIX, RunFileError, read_data, write_data
 
 
 @dataclass
@@ -41,3 +49,34 @@ class SimState:
     def seconds_first_round(self) -> float | None:
         """Mean wall time of the first round of each process (None before any round)."""
         return self.startup_seconds / self.startup_rounds if self.startup_rounds else None
+
+# ---- the checkpoint file -----------------------------------------------------------------------
+
+CHECKPOINT_FORMAT = "pfedkit-checkpoint-1"
+
+
+CHECKPOINT_CLASSES = {"SimState": SimState, "DiskStates": DiskStates}  # the only objects a checkpoint holds
+
+
+@dataclass
+class Checkpoint:
+    """What `checkpoints/latest.pt` holds: the state and the identity of the run that wrote it
+    (run_identity.identity), so a checkpoint put into another run's directory is refused."""
+    state: SimState
+    run: dict[str, Any]
+
+
+def write_checkpoint(path: str | Path, state: SimState, run: dict[str, Any]) -> None:
+    """The checkpoint as plain data (run_files), written atomically. Client states on disk are
+    written as their file names (`DiskStates.__getstate__`)."""
+    write_data(path, {"format": CHECKPOINT_FORMAT, "run": run, "state": state}, CHECKPOINT_CLASSES)
+
+
+def read_checkpoint(path: str | Path, fix: str = RESUME_FIX) -> Checkpoint:
+    """The checkpoint `write_checkpoint` wrote (never unpickled); RunFileError (one line, ending
+    with `fix`) for a file that is missing, damaged, not data, or not a pfedkit checkpoint."""
+    saved = read_data(path, "checkpoint", fix, CHECKPOINT_CLASSES)
+    if not (isinstance(saved, dict) and saved.get("format") == CHECKPOINT_FORMAT
+            and isinstance(saved.get("state"), SimState) and isinstance(saved.get("run"), dict)):
+        raise RunFileError(f"{path}: not a pfedkit checkpoint (expected format {CHECKPOINT_FORMAT}); {fix}")
+    return Checkpoint(saved["state"], saved["run"])

@@ -5,7 +5,10 @@ tensors, numpy arrays and scalars, numbers, strings, None. Flower ships `RecordD
 `ArrayRecord` (named arrays) and `ConfigRecord` (flat scalars). `pack` puts every tensor and
 array of a value into one ArrayRecord and describes the rest, with a reference for each array,
 in a JSON skeleton; `unpack` rebuilds the value. No pickle travels: a node only ever decodes
-arrays and JSON.
+arrays and JSON, and so does the server. Flower decodes an Array with `np.load(allow_pickle=False)`;
+`take` and `unpack` accept only what `put` writes (an ArrayRecord of numpy arrays, a ConfigRecord
+holding one JSON text, skeleton nodes of the kinds below, numpy scalars of numeric dtypes) and
+refuse anything else with one `RecordError` line, in either direction.
 
 Round trips are exact, so the bytes the engine counts (`message_bytes`) and every number computed
 from a decoded message are those of the in-process simulation: bfloat16 tensors (which Flower's
@@ -26,6 +29,11 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("pfedkit.flower needs Flower: pip install -e '.[flower]'") from err
 
 _SKELETON = "skeleton"
+_SCALAR_KINDS = "biufc"  # numpy scalars a record may carry: bool, integers, floats, complex
+
+
+class RecordError(ValueError):
+    """A received message entry that is not what `put` writes; one line."""
 
 
 def pack(value: Any) -> tuple[ArrayRecord, str]:
@@ -35,9 +43,19 @@ def pack(value: Any) -> tuple[ArrayRecord, str]:
     return ArrayRecord(arrays), skeleton
 
 
-def unpack(arrays: ArrayRecord, skeleton: str) -> Any:
-    tensors = arrays.to_torch_state_dict() if len(arrays) else {}
-    return _decode(json.loads(skeleton), tensors)
+def unpack(arrays: ArrayRecord, skeleton: str, name: str = "payload") -> Any:
+    """The value `pack` packed; RecordError for anything `pack` does not make."""
+    if not isinstance(arrays, ArrayRecord) or not isinstance(skeleton, str):
+        raise RecordError(f"message entry {name}: arrays of type {type(arrays).__name__} and a skeleton of type "
+                          f"{type(skeleton).__name__}, expected an ArrayRecord and JSON text; only pfedkit's records "
+                          "are accepted")
+    try:
+        tensors = arrays.to_torch_state_dict() if len(arrays) else {}
+        return _decode(json.loads(skeleton), tensors)
+    except (TypeError, ValueError, KeyError, RecursionError) as err:
+        reason = " ".join(str(err).split())[:200]
+        raise RecordError(f"message entry {name}: not a pfedkit record ({type(err).__name__}: {reason}); only "
+                          "numpy arrays and a JSON skeleton of dicts, lists, numbers and strings are accepted") from None
 
 
 def put(record: RecordDict, name: str, value: Any) -> None:
@@ -54,7 +72,10 @@ def take(record: RecordDict, name: str, default: Any = None) -> Any:
     """The value `put` stored under `name`; `default` when there is none."""
     if f"{name}.meta" not in record:
         return default
-    return unpack(record[f"{name}.arrays"], record[f"{name}.meta"][_SKELETON])
+    meta = record[f"{name}.meta"]
+    if not isinstance(meta, ConfigRecord) or list(meta) != [_SKELETON]:
+        raise RecordError(f"message entry {name}.meta: expected a ConfigRecord holding only {_SKELETON!r}")
+    return unpack(record[f"{name}.arrays"] if f"{name}.arrays" in record else None, meta[_SKELETON], name)
 
 
 def _encode(value: Any, arrays: dict[str, torch.Tensor]) -> Any:
@@ -109,7 +130,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if kind == "ndarray":
         return tensors[node["k"]].numpy().copy()
     if kind == "npscalar":
-        return np.dtype(node["dtype"]).type(node["v"])
+        dtype = np.dtype(node["dtype"])
+        if dtype.kind not in _SCALAR_KINDS:
+            raise ValueError(f"a numpy scalar of dtype {dtype}")
+        return dtype.type(node["v"])
     if kind == "tuple":
         return tuple(_decode(item, tensors) for item in node["v"])
     if kind == "dict":

@@ -8,6 +8,8 @@ shows the run's whole config.yaml (the resolved config) in a collapsed block.
 
 metrics.csv and summary.json are read and checked (`read_metrics`, `read_summary`) before any
 figure is written: a damaged one is a one-line error naming it, and no half report is left.
+diagnostics.pt and clients.npz are read as data, never unpickled (pfedkit/run_files.py): a run
+sent for a report cannot run code; a damaged or foreign one is one error line naming it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 import yaml
 
 from pfedkit.core.errors import ConfigError
@@ -24,6 +25,7 @@ from pfedkit.evaluation import round_table
 from pfedkit.report.html import Section, render
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.report.plots import bands, heatmaps_side_by_side, lines
+from pfedkit.run_files import DIAGNOSTICS, read_arrays, read_diagnostics
 
 CLIENT_BAND = (10, 90)  # percentiles of the clients' accuracies drawn as the band
 PERCENT = 100.0  # accuracies are stored as fractions and shown in %
@@ -101,6 +103,10 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
     from pfedkit.algorithms import get_algorithm
 
     config, metrics = read_run(run_dir)
+    # the run's data files first: a damaged or foreign one stops the report before it draws anything
+    diagnostics_file = run_dir / DIAGNOSTICS
+    diagnostics = read_diagnostics(diagnostics_file) if diagnostics_file.is_file() else None
+    tables = client_tables(run_dir)
     title = f"{config['algorithm']} on {config['dataset']}"
     table = round_table(metrics)
     written = [lines(table.index, {"sample-weighted": PERCENT * table["acc_weighted"],
@@ -112,21 +118,23 @@ def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
     written.append(bands(spread.index, {f"clients: mean, {low}-{high}th percentile": (
         spread["mean"], spread["low"], spread["high"])}, out_dir / "accuracy_clients.png",
         f"{title}: spread over clients", "round", f"client {ACCURACY_AXIS}"))
-    written += client_heatmaps(run_dir, out_dir, title)
-    diagnostics_file = run_dir / "diagnostics.pt"
-    if diagnostics_file.is_file():
-        written += draw_diagnostics(get_algorithm(config["algorithm"]),
-                                    torch.load(diagnostics_file, weights_only=False), out_dir)
+    if tables is not None:
+        written += client_heatmaps(tables, out_dir, title)
+    if diagnostics is not None:
+        written += draw_diagnostics(get_algorithm(config["algorithm"]), diagnostics, out_dir)
     return written
 
 
-def client_heatmaps(run_dir: Path, out_dir: Path, title: str) -> list[Path]:
-    """Training counts next to the output layer's row norms, and per-class test accuracy."""
+def client_tables(run_dir: Path) -> dict[str, np.ndarray] | None:
+    """clients.npz's per client x class arrays (None for runs made before it existed)."""
     path = run_dir / "clients.npz"
-    if not path.is_file():  # runs made before clients.npz existed
-        return []
-    with np.load(path) as saved:
-        arrays = dict(saved)
+    if not path.is_file():
+        return None
+    return read_arrays(path, "per-client table", "delete it to report the rest of the run")
+
+
+def client_heatmaps(arrays: dict[str, np.ndarray], out_dir: Path, title: str) -> list[Path]:
+    """Training counts next to the output layer's row norms, and per-class test accuracy."""
     written = []
     norms = arrays.get("head_row_norms")
     if norms is not None and not np.isnan(norms).all():

@@ -18,6 +18,12 @@ Whatever does not fit travels by value, as raw bytes in the pickle stream.
 
 Layouts are kept (contiguous and channels_last tensors come back with the same strides), so
 results are bit-identical to passing the tensors themselves.
+
+Jobs and results are pickles, and unpickling runs whatever a pickle names: that is safe here
+only because both ends are our own processes (the main process and the workers it forked or
+spawned, through its own pipes and anonymous mappings). Nothing this module writes is stored,
+and nothing read from a file or a network goes through it: run directories and Flower messages
+have formats of their own that hold data only (pfedkit/run_files.py, pfedkit/flower/records.py).
 """
 from __future__ import annotations
 
@@ -152,18 +158,10 @@ def _tensor_from_buffer(buffer, dtype: torch.dtype, shape: tuple[int, ...], chan
     return _from_bytes(source, 0, dtype, shape, channels_last, requires_grad)
 
 
-def _tensor_with_strides(buffer, dtype: torch.dtype, shape: tuple[int, ...], channels_last: bool,
-                         requires_grad: bool, stride: tuple[int, ...]) -> torch.Tensor:
-    values = _tensor_from_buffer(buffer, dtype, shape, channels_last, False)
-    if values.stride() != stride:  # e.g. a size-1 dimension's stride, which the memory order does not fix
-        values = torch.empty_strided(shape, stride, dtype=dtype).copy_(values)
-    return values.requires_grad_(True) if requires_grad else values
-
-
 class _Pickler(pickle.Pickler):
-    def __init__(self, file, refs: dict[int, SharedRef], exact_strides: bool = False) -> None:
+    def __init__(self, file, refs: dict[int, SharedRef]) -> None:
         super().__init__(file, protocol=5)
-        self.refs, self.exact_strides = refs, exact_strides
+        self.refs = refs
 
     def reducer_override(self, obj: Any):
         if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.device.type != "cpu" or obj.is_sparse:
@@ -173,10 +171,7 @@ class _Pickler(pickle.Pickler):
             return _shared_tensor, (ref,)
         raw, channels_last = _storage_order(obj.detach())
         buffer = pickle.PickleBuffer(_as_bytes(raw).numpy()) if raw.numel() else bytearray()
-        fields = (buffer, obj.dtype, tuple(obj.shape), channels_last, obj.requires_grad)
-        if self.exact_strides and _dense(obj):
-            return _tensor_with_strides, (*fields, obj.stride())
-        return _tensor_from_buffer, fields
+        return _tensor_from_buffer, (buffer, obj.dtype, tuple(obj.shape), channels_last, obj.requires_grad)
 
 
 def dumps(obj: Any, refs: dict[int, SharedRef] | None = None) -> bytes:
@@ -188,24 +183,9 @@ def dumps(obj: Any, refs: dict[int, SharedRef] | None = None) -> bytes:
 
 
 def loads(data: bytes) -> Any:
+    """Unpickle what `dumps` made in one of our own processes (module docstring): never data
+    from a file or a network."""
     return pickle.loads(data)
-
-
-def dump(obj: Any, file) -> None:
-    """Pickle `obj` into an open binary file, every CPU tensor as its raw bytes, a dense tensor
-    with its exact strides (a view that skips elements comes back compact); a file for `load`,
-    ~4x faster than torch.save for a model's state dict."""
-    _Pickler(file, {}, exact_strides=True).dump(obj)
-
-
-def load(file) -> Any:
-    return pickle.load(file)
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether `tensor`'s elements fill its memory span without overlap (empty_strided can remake it)."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 0)
-    return tensor.numel() > 0 and span == tensor.numel()
 
 
 def tensors_in(value: Any) -> Iterable[torch.Tensor]:
