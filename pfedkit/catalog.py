@@ -1,30 +1,33 @@
 """The algorithms and models by name, without importing them: what `pfedkit list`, `pfedkit config`
 and config validation need to know (names, descriptions, an algorithm's options with their
-defaults, which algorithms allow heterogeneous models, which models read token ids).
+defaults and the options it removed, which algorithms allow heterogeneous models, which models
+read token ids).
 
 The modules of algorithms and models import torch, which alone takes seconds to start; a command
-that only lists names, or refuses a misspelt key, should not wait for it. So these facts are kept
-in catalog.json, beside this module, written from the classes by
+that only lists names, or refuses a misspelt key, should not wait for it. So the facts, once read
+from the classes, are cached as `catalog-<digest>.json` in the cache directory ($PFEDKIT_CACHE,
+else ~/.cache/pfedkit), the digest taken over the sources they come from (pfedkit/algorithms,
+pfedkit/models, pfedkit/core/contract.py). An edited or added algorithm changes the digest: the
+next command reads the classes again and writes a new file. Nothing to regenerate by hand.
 
-    python -m pfedkit.catalog
-
-The file records a digest of the sources it was made from (pfedkit/algorithms, pfedkit/models,
-pfedkit/core/contract.py). When they changed since (an algorithm added or edited without writing
-the file again), `catalog()` builds the catalog from the classes instead: slower, never stale.
-tests/test_startup.py fails until the file is written again, so the fast path cannot rot.
+A process that has imported the algorithms or the models (a user's script, a test) may have
+registered its own (`@register`, `MODELS[...]`): there the catalog is read from the live classes,
+every time, so a name registered at run time is known.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
+import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-CATALOG_FILE = Path(__file__).with_name("catalog.json")
-# What the catalog is made from, relative to the package: a change there makes catalog.json stale.
+# What the catalog is made from, relative to the package: a change there gives another digest.
 SOURCES = ("algorithms", "models", "core/contract.py")
+# Imported in this process: algorithms or models may have been registered at run time.
+LIVE_MODULES = ("pfedkit.algorithms.registry", "pfedkit.models")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class AlgorithmEntry:
     description: str
     options: dict[str, Option]
     heterogeneous_models: bool  # Algorithm.supports_heterogeneous_models
+    removed: dict[str, str]  # Algorithm.removed_options: option -> why it went and what to set instead
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,24 @@ class Catalog:
     models: dict[str, ModelEntry]  # in pfedkit.models.MODELS's order
 
 
-@functools.cache
 def catalog() -> Catalog:
-    """catalog.json when it was made from the sources as they are, else built from the classes."""
-    stored = _read_stored()
-    if stored is not None and stored.get("sources") == source_digest():
+    """The live classes' catalog where they are imported already, else the cached one for the
+    sources as they are (built from the classes, and cached, when there is none)."""
+    if any(module in sys.modules for module in LIVE_MODULES):
+        return build_catalog()
+    cached = cache_file()
+    stored = _read_stored(cached)
+    if stored is not None:
         return _from_dict(stored)
-    return build_catalog()
+    built = build_catalog()
+    _write_cache(cached, built)
+    return built
+
+
+def cache_file(digest: str | None = None) -> Path:
+    """Where the catalog of the sources with `digest` (default: as they are now) is cached."""
+    root = Path(os.environ.get("PFEDKIT_CACHE") or Path.home() / ".cache" / "pfedkit")
+    return root / f"catalog-{digest or source_digest()}.json"
 
 
 def build_catalog() -> Catalog:
@@ -73,7 +88,8 @@ def build_catalog() -> Catalog:
         options = {key: Option(str(field.default), field.description or "")
                    for key, field in algorithm.Hyper.model_fields.items()}
         algorithms[name] = AlgorithmEntry(algorithm.description, options,
-                                          bool(algorithm.supports_heterogeneous_models))
+                                          bool(algorithm.supports_heterogeneous_models),
+                                          dict(algorithm.removed_options))
     models = {name: ModelEntry(info.description, info.token_ids) for name, info in MODELS.items()}
     return Catalog(algorithms, models)
 
@@ -93,28 +109,31 @@ def source_digest() -> str:
 
 
 def catalog_json(built: Catalog) -> str:
-    """catalog.json's text for `built`, with the digest of the sources as they are now."""
-    return json.dumps({"sources": source_digest(), **asdict(built)}, indent=1, ensure_ascii=False) + "\n"
+    return json.dumps(asdict(built), indent=1, ensure_ascii=False) + "\n"
 
 
-def _read_stored() -> dict[str, Any] | None:
+def _read_stored(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(CATALOG_FILE.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or damaged: built again
         return None
+
+
+def _write_cache(path: Path, built: Catalog) -> None:
+    """Best effort: a cache that cannot be written only costs the next command the import."""
+    from pfedkit.atomic import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, catalog_json(built))
+    except OSError:
+        pass
 
 
 def _from_dict(data: dict[str, Any]) -> Catalog:
     algorithms = {name: AlgorithmEntry(entry["description"],
                                        {key: Option(**option) for key, option in entry["options"].items()},
-                                       entry["heterogeneous_models"])
+                                       entry["heterogeneous_models"], entry["removed"])
                   for name, entry in data["algorithms"].items()}
     models = {name: ModelEntry(**entry) for name, entry in data["models"].items()}
     return Catalog(algorithms, models)
-
-
-if __name__ == "__main__":  # python -m pfedkit.catalog: write catalog.json from the classes
-    from pfedkit.atomic import atomic_write_text
-
-    atomic_write_text(CATALOG_FILE, catalog_json(build_catalog()))
-    print(f"wrote {CATALOG_FILE}")

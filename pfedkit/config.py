@@ -431,8 +431,11 @@ def check_option_names(config: Config) -> None:
     """The keys of every algorithm section are options of that algorithm (from the catalog: the
     values are validated by the algorithm's Hyper later)."""
     for name, section in (config.model_extra or {}).items():
-        allowed = list(catalog().algorithms[name].options)
+        entry = catalog().algorithms[name]
+        allowed = list(entry.options)
         unknown = [key for key in section if key not in allowed] if isinstance(section, dict) else []
+        if unknown and unknown[0] in entry.removed:
+            raise ConfigError(f"{name}.{unknown[0]}: {entry.removed[unknown[0]]}")
         if unknown:
             raise ConfigError(unknown_key_message(f"{name}.{unknown[0]}", unknown[0], allowed))
 

@@ -1,6 +1,7 @@
 """Start-up: commands that only read names (list, config, reproduce --list, --help) and config
 errors answer without importing torch, pandas, matplotlib, scikit-learn or SciPy, through the
-catalog of algorithms and models (pfedkit/catalog.py), which must match the classes."""
+catalog of algorithms and models (pfedkit/catalog.py): cached per version of the sources, always
+what the classes say, and live where algorithms or models are registered at run time."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pfedkit import catalog as catalog_module
-from pfedkit.catalog import CATALOG_FILE, build_catalog, catalog, catalog_json
+from pfedkit.catalog import build_catalog, cache_file, catalog, catalog_json
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "pandas", "matplotlib", "sklearn", "scipy")
@@ -35,26 +36,66 @@ LIGHT_COMMANDS = [
 ]
 
 
-def test_catalog_json_is_what_the_classes_say():
-    """Fails after an algorithm or model changed (or was added) without `python -m pfedkit.catalog`."""
-    stored = json.loads(CATALOG_FILE.read_text())
-    assert stored == json.loads(catalog_json(build_catalog())), "catalog.json is stale: run python -m pfedkit.catalog"
+def _cached_catalog(cache: Path) -> catalog_module.Catalog:
+    """The catalog as a fresh interpreter (no algorithm imported) reads it, with cache `cache`."""
+    done = subprocess.run([sys.executable, "-c", "import sys, json, dataclasses\nfrom pfedkit.catalog import catalog\n"
+                           "print(json.dumps(dataclasses.asdict(catalog())))\n"
+                           "print('torch' in sys.modules, file=sys.stderr)"],
+                          capture_output=True, text=True, timeout=300, check=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PFEDKIT_CACHE": str(cache)})
+    return catalog_module._from_dict(json.loads(done.stdout)), done.stderr.strip() == "True"
 
 
-def test_a_stale_catalog_is_not_used(monkeypatch, tmp_path):
-    """catalog.json made from other sources (here: one naming an algorithm that does not exist) is
-    ignored: the catalog comes from the classes."""
-    stale = json.loads(CATALOG_FILE.read_text())
-    stale["sources"] = "digest of older sources"
+def test_the_cached_catalog_is_what_the_classes_say_and_is_read_without_torch(tmp_path):
+    first, imported = _cached_catalog(tmp_path)
+    assert imported and cache_file().name in [p.name for p in tmp_path.iterdir()]  # built from the classes once
+    second, imported_again = _cached_catalog(tmp_path)
+    assert not imported_again  # then read from the cache
+    assert first == second == build_catalog()
+
+
+def test_a_cache_of_other_sources_is_not_read(monkeypatch, tmp_path):
+    """Each version of the sources has its own file: an edit (a new digest) never reads an old one."""
+    stale = json.loads(catalog_json(build_catalog()))
     stale["algorithms"]["ghost"] = stale["algorithms"]["fedavg"]
-    fake = tmp_path / "catalog.json"
-    fake.write_text(json.dumps(stale))
-    monkeypatch.setattr(catalog_module, "CATALOG_FILE", fake)
-    catalog.cache_clear()
+    (tmp_path / cache_file("0" * 64).name).write_text(json.dumps(stale))
+    ghost_free, _ = _cached_catalog(tmp_path)
+    assert "ghost" not in ghost_free.algorithms
+    (tmp_path / _current_cache_name()).write_text(json.dumps(stale))  # the current digest's file is read as is
+    with_ghost, imported = _cached_catalog(tmp_path)
+    assert "ghost" in with_ghost.algorithms and not imported
+
+
+def _current_cache_name() -> str:
+    return cache_file().name
+
+
+def test_an_algorithm_registered_at_run_time_is_known_to_the_catalog():
+    """A process that registered its own method (a user's script, a test probe) validates it."""
+    from pfedkit.algorithms.fedavg import FedAvg
+    from pfedkit.algorithms.registry import registry
+
+    class Probe(FedAvg):
+        name = "startup_probe"
+
+    registry()[Probe.name] = Probe
     try:
-        assert "ghost" not in catalog().algorithms and catalog() == build_catalog()
+        assert "startup_probe" in catalog().algorithms
+        from pfedkit.config import load_config
+
+        assert load_config({"algorithm": "startup_probe"}).algorithm == "startup_probe"
     finally:
-        catalog.cache_clear()
+        del registry()[Probe.name]
+
+
+def test_a_removed_option_is_refused_with_its_reason_without_torch(tmp_path):
+    script = ("import sys\nfrom pfedkit.cli import main\nmain(['run', 'algorithm=rpfedpm', 'rpfedpm.relation_lr=0.1', "
+              "'out_dir=unused'])\nprint('torch' in sys.modules, file=sys.stderr)\n")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "PFEDKIT_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", "from pfedkit.catalog import catalog; catalog()"], env=env, check=True)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert "rpfedpm.relation_lr: relation_lr was removed" in done.stderr and "batch_size" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "False"
 
 
 def test_the_catalog_names_what_validation_needs():
@@ -66,12 +107,14 @@ def test_the_catalog_names_what_validation_needs():
 
 def test_commands_answering_from_names_import_nothing_heavy(tmp_path):
     """All LIGHT_COMMANDS in one fresh interpreter, then the heavy modules it imported."""
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", "from pfedkit.catalog import catalog; catalog()"], env=env, check=True)
     script = (f"import sys\nfrom pfedkit.cli import main\nfor argv in {LIGHT_COMMANDS!r}:\n"
               "    try:\n        main(argv + (['out_dir=unused'] if argv[0] in ('run', 'data') else []))\n"
               "    except SystemExit:\n        pass\n"
               f"print(sorted(name for name in {HEAVY!r} if name in sys.modules), file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+                          env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "unused").exists()

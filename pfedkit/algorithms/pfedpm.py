@@ -64,7 +64,10 @@ UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below ev
 RELATION = "relation."  # psi's tensors in a Fit's extra (and its answer): "relation." + module name
 RELATION_STATISTICS = ("bn.running_mean", "bn.running_var")  # psi's BatchNorm buffers (not trained)
 # psi's own SGD settings before issue 22: it now trains in the engine's Fit with the run's.
-REMOVED_RELATION_KEYS = {"relation_lr", "relation_momentum", "relation_batch_size"}
+REMOVED_RELATION_KEYS = {
+    key: f"{key} was removed: the relation module now trains in the engine's Fit with the run's lr, momentum "
+         "and batch_size; set those instead"
+    for key in ("relation_lr", "relation_momentum", "relation_batch_size")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +249,7 @@ class PFedPM(PrototypeExchange, Algorithm):
 class RPFedPM(PFedPM):
     name = "rpfedpm"
     description = "R-pFedPM: pFedPM with a per-client relation module scoring (feature, class feature) pairs"
+    removed_options = REMOVED_RELATION_KEYS
 
     class Hyper(PFedPM.Hyper):
         """R-pFedPM = pFedPM's hyperparameters plus the relation module's (seed spec §2.5-2.7).
@@ -275,10 +279,9 @@ class RPFedPM(PFedPM):
         @model_validator(mode="before")
         @classmethod
         def _removed_optimiser_keys(cls, values: Any) -> Any:
-            removed = sorted(set(values) & REMOVED_RELATION_KEYS) if isinstance(values, dict) else []
+            removed = sorted(set(values) & set(REMOVED_RELATION_KEYS)) if isinstance(values, dict) else []
             if removed:
-                raise ValueError(f"{removed[0]} was removed: the relation module now trains in the engine's Fit "
-                                 "with the run's lr, momentum and batch_size; set those instead")
+                raise ValueError(REMOVED_RELATION_KEYS[removed[0]])
             return values
 
         @model_validator(mode="after")

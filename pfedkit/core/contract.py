@@ -224,6 +224,9 @@ class Algorithm:
     # True when clients may use different architectures (config `client_model_options`): the
     # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
     supports_heterogeneous_models: ClassVar[bool] = False
+    # Options this method had and removed: {option: why, and what to set instead}. A config that
+    # still sets one is refused with that text (before torch is imported: pfedkit.catalog).
+    removed_options: ClassVar[dict[str, str]] = {}
     # torch threads for this algorithm's OWN code in a round: each step of `client_update` (the
     # code between its Fits) and the aggregation (`start_aggregation`'s `add` and `finish`, hence
     # `aggregate`). For code made of thousands of tiny ops, which one thread runs fastest (CReFF's
