@@ -505,3 +505,13 @@ def test_rows_refuse_a_kept_cell_made_with_other_options_of_its_algorithm(tmp_pa
                  "--rows", "Local", f"data_dir={SHARED_DATASETS}"]) == 2
     err = capsys.readouterr().err
     assert "n_3-pFedPM-s0 was made with other settings" in err and "pfedpm.a" in err
+
+
+def test_one_seed_shows_our_value_alone_where_the_spread_is_over_seeds():
+    """With one seed a std over seeds is 0 by construction: the cell shows the value, no '± 0.00'."""
+    paper = load_paper("pfedcs")
+    plan = Plan(paper, synthetic_table(), "cpu", paper.budget(paper.table("1-cifar10"), "cpu"), [], [0])
+    one = paper_markdown(plan, paper_table(plan.table, [record("A", "M1", 0, 0.8), record("A", "M2", 0, 0.9)]))
+    assert "| M1 | best_acc | 80.00 | 1 |" in one and "± 0.00" not in one
+    two = paper_markdown(plan, paper_table(plan.table, [record("A", "M1", 0, 0.8), record("A", "M1", 1, 0.6)]))
+    assert "| M1 | best_acc | 70.00 ± 10.00 | 2 |" in two

@@ -284,7 +284,9 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
                      "| steps a round | last-10 moved |")
         parts.append("|---|---|---|---|---|---|---|---|---|---|")
         for _, line in block.iterrows():
-            ours = _num(line["ours"], line["ours_std"]) if line["status"] == "ran" else line["status"]
+            one_seed = table.spread != "clients" and line["seeds"] == 1  # a std over one seed says nothing
+            ours = (_num(line["ours"], None if one_seed else line["ours_std"]) if line["status"] == "ran"
+                    else line["status"])
             ranks = "-" if np.isnan(line["rank_ours"]) else f"{int(line['rank_ours'])} / {int(line['rank_paper'])}"
             parts.append(f"| {line['method']} | {line['metric']} | {ours} | {line['seeds']} "
                          f"| {_num(line['paper'], line['paper_std'])} | {_num(line['diff'])} | {ranks} "
