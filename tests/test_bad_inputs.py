@@ -199,7 +199,8 @@ def _write_damaged_and_foreign_inputs(root: Path) -> None:
     for name, file, content in [("garbage_metrics", "metrics.csv", b"\x00\x01garbage\xff\n,,,\n\""),
                                 ("empty_metrics", "metrics.csv", b""),
                                 ("foreign_metrics", "metrics.csv", b"name,colour\nleaf,green\n"),
-                                ("latin1_summary", "summary.json", '{"headline": "caf\xe9"}'.encode("latin-1"))]:
+                                ("latin1_summary", "summary.json", '{"headline": "caf\xe9"}'.encode("latin-1")),
+                                ("latin1_config", "config.yaml", "name: caf\xe9\n".encode("latin-1"))]:
         shutil.copytree(root / "done" / "run", root / name)
         (root / name / file).write_bytes(content)
     (root / "garbage_space.yaml").write_bytes(b"\x00\xff\xfe common: [")
@@ -225,6 +226,7 @@ DAMAGED_OR_FOREIGN_CASES = [
     ("report an empty metrics.csv", ["report", "{in}/empty_metrics"], "{in}/empty_metrics/metrics.csv"),
     ("report a metrics.csv of other columns", ["report", "{in}/foreign_metrics"], "{in}/foreign_metrics/metrics.csv"),
     ("report a summary that is not UTF-8", ["report", "{in}/latin1_summary"], "{in}/latin1_summary/summary.json"),
+    ("report a config.yaml that is not UTF-8", ["report", "{in}/latin1_config"], "{in}/latin1_config/config.yaml"),
     # tune, data directories, output folders, Flower
     ("tune a garbage space file", ["tune", "--algorithm", "fedavg", "--trials", "1", "--space", "{in}/garbage_space.yaml"],
      "{in}/garbage_space.yaml"),
@@ -260,7 +262,8 @@ DAMAGED_OR_FOREIGN_CASES = [
 CASES += DAMAGED_OR_FOREIGN_CASES
 
 
-@pytest.mark.parametrize("run", ["garbage_metrics", "empty_metrics", "foreign_metrics", "latin1_summary"])
+@pytest.mark.parametrize("run", ["garbage_metrics", "empty_metrics", "foreign_metrics", "latin1_summary",
+                                 "latin1_config"])
 def test_a_damaged_run_directory_gets_no_half_written_report(run, inputs, capsys):
     assert main(["report", str(inputs / run)]) == 2
     assert not (inputs / run / "report").exists()

@@ -310,6 +310,9 @@ def test_reuse_adopts_only_finished_runs_of_the_same_cells_and_settings(tmp_path
     (source / "Other-s0").mkdir()
     for name in ("config.yaml", "summary.json"):
         shutil.copy(source / "MNIST-Local-s0" / name, source / "Other-s0" / name)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the results folder")
+    (source / "MNIST-Local-s0" / "notes.txt").symlink_to(secret)  # planted in a shared folder
     out = tmp_path / "table"
     (out / "runs" / "MNIST-FedAvg-s0").mkdir(parents=True)  # a half run already there stays as it is
     regime = plan_table(paper, table, "regime", ["data_dir=nowhere"])
@@ -319,6 +322,7 @@ def test_reuse_adopts_only_finished_runs_of_the_same_cells_and_settings(tmp_path
     assert outcome["Other-s0"] == "not a run of this table at this budget"
     assert not (out / "runs" / "MNIST-FedAvg-s0" / "summary.json").exists()
     assert not (out / "runs" / "Other-s0").exists()
+    assert not (out / "runs" / "MNIST-Local-s0" / "notes.txt").exists()  # links are not followed into out_dir
     planned = {record.run_dir.name: (record, config) for record, config in plan_runs(out, regime.entries, regime.seeds)}
     record, config = planned["MNIST-Local-s0"]
     summary, how = _run_once(record.run_dir, config, quiet=True)  # reused: no data is read (data_dir=nowhere)

@@ -315,6 +315,12 @@ def check_data(plan: Plan) -> None:
                           f"get it with {commands}")
 
 
+def _symbolic_links(directory: str, names: list[str]) -> list[str]:
+    """copytree's `ignore`: a reused run is copied without its symbolic links, so a link planted in
+    a shared results folder never brings its target's content (a file outside it) into out_dir."""
+    return [name for name in names if (Path(directory) / name).is_symlink()]
+
+
 def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], out_dir: Path) -> dict[str, str]:
     """Copy into `out_dir`/runs the finished runs in `source` (run directories with config.yaml and
     summary.json, e.g. a table's docs/results/ folder from an earlier machine) that the table's
@@ -332,7 +338,7 @@ def adopt_finished_runs(source: Path, planned: list[tuple[RunRecord, Config]], o
         elif changes := changes_from_stored(run_dir, planned[run_dir.name]):
             outcome[run_dir.name] = f"made with other settings ({describe_changes(changes)}): not reused"
         else:
-            shutil.copytree(run_dir, target)
+            shutil.copytree(run_dir, target, ignore=_symbolic_links)
             outcome[run_dir.name] = "reused"
     return outcome
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from pfedkit.core.errors import ConfigError
 from pfedkit.evaluation import round_table
@@ -95,7 +94,14 @@ def read_summary(run_dir: Path) -> dict | None:
 
 
 def read_config(run_dir: Path) -> dict:
-    return yaml.safe_load((run_dir / "config.yaml").read_text())
+    """The run's config.yaml (a one-line ConfigError naming it when it is not UTF-8 YAML of a mapping)."""
+    from pfedkit.config import read_yaml_file
+
+    path = run_dir / "config.yaml"
+    config = read_yaml_file(path, str(path))
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: not a pfedkit config (expected a mapping of keys); report a run directory")
+    return config
 
 
 def run_figures(run_dir: Path, out_dir: Path) -> list[Path]:
