@@ -14,7 +14,6 @@ import errno
 import os
 import textwrap
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from pfedkit.catalog import catalog
 from pfedkit.core.backends import BACKENDS
 from pfedkit.core.errors import ConfigError, ConfigWarning, did_you_mean
+from pfedkit.writable import check_writable_dir, check_writable_file
 
 EXIT_BAD_INPUT = 2
 # `pfedkit compare`'s default (the README quickstart): a personalised method beside the two
@@ -46,44 +46,6 @@ def _diverged() -> type[Exception]:
 # OSErrors that mean "this path cannot be written here" (a bad path given by the user), as opposed
 # to a failing disk or a bug: one line and exit 2 instead of a traceback.
 PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG)
-
-
-def check_writable_dir(path: Path, what: str, given: Path | None = None, fix: str | None = None) -> None:
-    """ConfigError naming `what` and the path the user `given` (default: `path`) unless `path` is
-    a folder this process can write into, or can be created as one. Checked before a command
-    creates anything, so a refused command leaves nothing behind."""
-    path = path.absolute()
-    shown = (given or path).absolute()
-    fix = fix or f"choose another {what}"
-    existing = nearest_existing(path, what, shown, fix)
-    if not existing.is_dir():
-        raise ConfigError(f"{what} {shown}: {existing} is a file, not a folder; {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {shown}: {existing} is not writable (permissions or a read-only file system); {fix}")
-    try:  # permission bits are not the whole story: /proc, or root on a file system that refuses
-        os.rmdir(tempfile.mkdtemp(prefix=".pfedkit-probe-", dir=existing))
-    except OSError as err:
-        raise ConfigError(f"{what} {shown}: no folder can be made in {existing} ({err.strerror}); {fix}") from None
-
-
-def nearest_existing(path: Path, what: str, shown: Path, fix: str) -> Path:
-    """The nearest of `path` and its parents that exists (the root always does); ConfigError when
-    a symbolic link on the way leads nowhere (a loop, or a missing target): nothing can be made
-    behind it."""
-    for part in (path, *path.parents):
-        if part.exists():
-            return part
-        if part.is_symlink():
-            raise ConfigError(f"{what} {shown}: {part} is a symbolic link leading nowhere (a loop or a missing "
-                              f"target); {fix}")
-    return Path(path.anchor)
-
-
-def check_writable_file(path: Path, what: str) -> None:
-    """As `check_writable_dir`, for a file to be written (its folder must be writable)."""
-    if path.is_dir():
-        raise ConfigError(f"{what} {path.absolute()}: is a folder; expected a file path such as {path / 'stats.png'}")
-    check_writable_dir(path.parent, what, given=path)
 
 
 def _show_warning(previous):

@@ -42,7 +42,7 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
 def _check_app_directory(directory: Path, what: str) -> None:
     """The app directory must be a folder that can be made or written (not a file): checked
     before Flower is needed and before anything is written."""
-    from pfedkit.cli import check_writable_dir
+    from pfedkit.writable import check_writable_dir
 
     check_writable_dir(directory, what)
 
