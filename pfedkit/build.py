@@ -22,13 +22,13 @@ from pfedkit.config import Config, per_client_model_options
 from pfedkit.core.backends import BACKENDS
 from pfedkit.core.contract import Setup
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.seeds import SERVER, derive_seed
 from pfedkit.data.datasets import default_model
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.client_states import Placement
 from pfedkit.engine.device import resolve_device
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.protocols import Clients, Runtime
 from pfedkit.engine.runtimes.processes import ProcessRuntime
 from pfedkit.engine.runtimes.sequential import SequentialRuntime

@@ -262,7 +262,7 @@ def test_layer_state_dict_rejects_another_architecture():
 
 
 def test_model_ops_chunked_forward_equals_one_forward():
-    from pfedkit.engine.model_ops import ModelOps
+    from pfedkit.core.model_ops import ModelOps
     ops = ModelOps(lambda: build_model("mlp", (6,), 3))
     params, x = ops.initial_params(), torch.randn(11, 6, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ops.logits(params, x, chunk=4), ops.logits(params, x))

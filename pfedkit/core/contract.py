@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from pfedkit.core.aggregation import Aggregation, CollectReplies
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import Params
 
 Message = dict[str, Any]
@@ -203,12 +204,12 @@ class Setup:
     train_counts: np.ndarray  # [N, C] training samples per client and class
     seed: int
     local_epochs: int
-    ops: Any  # pfedkit.engine.model_ops.ModelOps: functional forward for server-side math
+    ops: ModelOps  # functional forward of the run's model, for server-side math
     # Heterogeneous models (config `client_model_options`): client cid's ModelOps; None: all use `ops`.
-    client_ops: tuple[Any, ...] | None = None
+    client_ops: tuple[ModelOps, ...] | None = None
     rounds: int = 0  # the run's number of rounds (FedPFA switches phase half way); 0: unknown
 
-    def ops_for(self, cid: int) -> Any:
+    def ops_for(self, cid: int) -> ModelOps:
         """The ModelOps of client `cid`'s architecture (`ops`, the default one, unless models differ)."""
         return self.ops if self.client_ops is None else self.client_ops[cid]
 
