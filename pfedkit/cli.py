@@ -38,7 +38,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _diverged() -> type[Exception]:
-    from pfedkit.engine.simulate import TrainingDiverged  # imported only when an error reaches here
+    from pfedkit.engine.drive import TrainingDiverged  # imported only when an error reaches here
 
     return TrainingDiverged
 

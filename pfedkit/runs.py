@@ -46,7 +46,8 @@ from pfedkit.core.errors import ConfigError
 from pfedkit.data.federated import FederatedData, assemble, build_federated
 from pfedkit.engine.client_states import STATES_DIR, DiskStates, Placement, disk_stores
 from pfedkit.engine.device import describe_device
-from pfedkit.engine.simulate import Simulation, TrainingDiverged
+from pfedkit.engine.drive import TrainingDiverged
+from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.state import SimState, read_checkpoint, write_checkpoint
 from pfedkit.evaluation import summarize
 from pfedkit.federation import config_dataset, split_plan

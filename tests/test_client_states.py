@@ -9,7 +9,7 @@ import torch
 
 import pfedkit
 from pfedkit.core.errors import ConfigError
-from pfedkit.engine import client_states, simulate
+from pfedkit.engine import client_states, local_clients
 from pfedkit.engine.client_states import STATES_DIR, DiskStates, choose_placement
 from pfedkit.engine.state import read_checkpoint
 from pfedkit.run_files import RunFileError, read_data, write_data
@@ -56,15 +56,15 @@ def test_states_on_disk_give_the_numbers_of_states_in_memory(small_config, algor
 def test_disk_states_train_in_windows_with_the_same_results(small_config, monkeypatch):
     config = {**small_config, "algorithm": "local", "num_clients": 7, "rounds": 2}
     reference = _run(config, "memory", "memory")
-    monkeypatch.setattr(simulate, "DISK_WINDOW", 3)
+    monkeypatch.setattr(local_clients, "DISK_WINDOW", 3)
     waves = []
-    original = simulate.drive_clients
+    original = local_clients.drive_clients
 
     def counting(updates, *args, **kwargs):
         waves.append(sorted(updates))
         return original(updates, *args, **kwargs)
 
-    monkeypatch.setattr(simulate, "drive_clients", counting)
+    monkeypatch.setattr(local_clients, "drive_clients", counting)
     windowed = _run(config, "disk", "disk", backend="processes", workers=2)
     pd.testing.assert_frame_equal(reference.metrics, windowed.metrics, check_like=True)
     assert waves == [[0, 1, 2], [3, 4, 5], [6]] * 2  # at most 3 clients' states read at once, in client order

@@ -16,7 +16,8 @@ from pfedkit.config import load_config
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.seeds import sample_clients
-from pfedkit.engine.simulate import NEW_CLIENT_PURPOSE, choose_new_clients
+from pfedkit.engine.local_clients import NEW_CLIENT_PURPOSE
+from pfedkit.engine.simulate import choose_new_clients
 from pfedkit.engine.trainer import FitJob, LocalTrainer
 from pfedkit.evaluation import summarize
 from pfedkit.runs import prepare

@@ -19,7 +19,7 @@ from pfedkit.engine.runtimes.processes import ProcessRuntime
 from pfedkit.engine.runtimes.ray import RayRuntime  # imports Ray only when a RayRuntime is made
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
-from pfedkit.engine.simulate import LocalClients
+from pfedkit.engine.local_clients import LocalClients
 
 RUNTIME_CLASSES = {"sequential": SequentialRuntime, "processes": ProcessRuntime,
                    "vectorized": VectorizedRuntime, "ray": RayRuntime}

@@ -1,5 +1,5 @@
 """The two interfaces of the round loop, as `typing.Protocol`s: what `Simulation` and
-`LocalClients` (engine/simulate.py) call, and nothing more.
+`LocalClients` (engine/simulate.py, engine/local_clients.py) call, and nothing more.
 
 - `Runtime`: who answers a round's Fit requests and evaluates clients (engine/runtimes/:
   sequential, processes, vectorized, ray). The round loop never knows which one runs.

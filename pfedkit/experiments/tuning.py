@@ -364,7 +364,7 @@ def run_next_trial(study, base: Config, space: Space, finished: int) -> tuple[An
     import optuna
     from optuna.trial import TrialState
 
-    from pfedkit.engine.simulate import TrainingDiverged
+    from pfedkit.engine.drive import TrainingDiverged
 
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(base.seed, finished))
     trial = study.ask()

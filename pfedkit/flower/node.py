@@ -31,7 +31,7 @@ from pfedkit.data.federated import client_data, split_indices
 from pfedkit.data.partition import class_counts
 from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
-from pfedkit.engine.simulate import LocalClients
+from pfedkit.engine.local_clients import LocalClients
 from pfedkit.engine.state import SimState
 from pfedkit.federation import config_dataset, split_plan
 from pfedkit.flower.records import put, take
