@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from pfedkit.core.contract import Algorithm, ClientData, Fit, Message
-from pfedkit.core.threads import resolved_threads
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
 from pfedkit.engine.drive import drive_clients
 from pfedkit.engine.protocols import Runtime
@@ -38,8 +37,10 @@ class LocalClients:
                  placement: Placement = Placement()) -> None:
         self.algorithm, self.clients, self.runtime = algorithm, clients, runtime
         self.num_classes, self.eval_point, self.placement = num_classes, eval_point, placement
-        # The thread count the clients compute with: the runtime's (see the module docstring).
-        self.threads = resolved_threads(getattr(runtime, "threads", None))
+
+    def describe_devices(self) -> str:
+        """Where these clients train: the runtime's device(s)."""
+        return self.runtime.describe_devices()
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
         """Every client's initial state, from its initial weights, in memory or on disk

@@ -5,9 +5,10 @@
 driver of engine/drive.py) or the Flower server's clients on nodes. It never sees a runtime's
 Fit requests; it sees replies, which it hands to the round's aggregation as they come.
 
-Threads: a run computes with ONE thread count, its clients' side's `threads` (the runtime's: the
-config's `threads`, else 1 for processes / ray / Flower nodes and this process's torch count for
-sequential / vectorized). `Simulation.initial_state` and `run_round` run under it
+Threads: a run computes with ONE thread count, `threads`, decided by whoever builds the run
+(`pfedkit.build.run_threads`: the config's `threads`, else 1 for processes / ray / Flower nodes and
+this process's torch count for sequential / vectorized) and passed both to the runtime and here.
+`Simulation.initial_state` and `run_round` run under it
 (`compute_threads`: torch and the BLAS/OpenMP pools), so every algorithm hook (init, reports,
 collect, broadcast, each step of client_update, the aggregation, client_model, adapt, predict)
 computes with the same count as the runtime's Fits, whichever backend runs them. A runtime may
@@ -25,7 +26,7 @@ import numpy as np
 from pfedkit.core.contract import Algorithm, Message, message_bytes
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.seeds import SERVER, numpy_rng, round_participants
-from pfedkit.core.threads import compute_threads, resolved_threads
+from pfedkit.core.threads import compute_threads
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.client_states import Placement
 from pfedkit.engine.drive import own_code
@@ -59,8 +60,8 @@ class Simulation:
     """The round loop over an algorithm; `clients` is the clients' side (default: `LocalClients`
     over `data` and `runtime`; the Flower server passes one that talks to nodes, and no runtime)."""
 
-    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime: Runtime | None, *, rounds: int,
-                 seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+    def __init__(self, algorithm: Algorithm, data: FederatedData, runtime: Runtime | None, *, threads: int,
+                 rounds: int, seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
                  eval_point: str = "after_download", participants: str = "round", clients: Clients | None = None,
                  placement: Placement = Placement(), new_clients: int = 0, new_client_finetune: int = 0) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
@@ -71,8 +72,8 @@ class Simulation:
         self.eval_point = eval_point
         self.clients = clients or LocalClients(algorithm, data.clients, runtime, data.num_classes, eval_point,
                                                    placement)
-        # Server-side code computes with the clients' count, so no number depends on the backend.
-        self.threads = resolved_threads(getattr(self.clients, "threads", None))
+        # The runtime's count (the builder passed both the same), so no number depends on the backend.
+        self.threads = threads
         self.new_clients = self._new_clients(new_clients, new_client_finetune)
         self.new_client_finetune = new_client_finetune
         # Only these are ever sampled, asked for reports or aggregated; with no new clients, all.
