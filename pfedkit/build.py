@@ -37,7 +37,7 @@ from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import TrainSettings
 from pfedkit.models import build_model, model_info
 from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
-from pfedkit.privacy.setup import attach_client_dp, check_sample_dp
+from pfedkit.privacy.setup import check_client_dp, check_sample_dp, client_dp_aggregation
 
 
 def model_name(config: Config) -> str:
@@ -113,9 +113,12 @@ def check_precision(config: Config) -> None:
 def simulation_for(config: Config, algorithm, data: FederatedData, runtime: Runtime | None, threads: int,
                    clients: Clients | None = None, placement: Placement = Placement()) -> Simulation:
     """The round loop with the config's schedule, computing with `threads` (`run_threads`: the
-    runtime's count); `clients`: the clients' side (default: local, its states placed by `placement`)."""
-    return Simulation(algorithm, data, runtime, threads=threads, rounds=config.rounds, seed=config.seed,
-                      join_ratio=config.join_ratio, eval_every=config.eval_every,
+    runtime's count), aggregating through client-level DP's noised mean where the config asks for
+    it (`dp.level=client`); `clients`: the clients' side (default: local, its states placed by
+    `placement`)."""
+    return Simulation(algorithm, data, runtime, threads=threads,
+                      start_aggregation=client_dp_aggregation(config, algorithm), rounds=config.rounds,
+                      seed=config.seed, join_ratio=config.join_ratio, eval_every=config.eval_every,
                       keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
                       participants=config.participants, clients=clients, placement=placement,
                       new_clients=config.new_clients, new_client_finetune=config.new_client_finetune)
@@ -158,7 +161,7 @@ def build_algorithm(config: Config, input_shape, num_classes: int, train_counts:
                   client_ops, rounds=config.rounds)
     algorithm = algo_cls(config.hyper(), setup)
     algorithm.check()
-    attach_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
+    check_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
     if config.dp.level == "sample":
         check_sample_dp(config, archs.build())
     return algorithm, archs

@@ -15,17 +15,19 @@ from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from torch import nn
 
 import pfedkit
+from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
-from pfedkit.core.aggregation import SampleWeightedMean
+from pfedkit.core.aggregation import MeanOfUploads, SampleWeightedMean
 from pfedkit.core.contract import NoHyper, Setup
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.privacy.accounting import epsilon
-from pfedkit.privacy.client_dp import ClientDP, ClientDPMean, clipped_model, update_norm
+from pfedkit.privacy.client_dp import ClientDP, ClientDPAggregation, ClientDPMean, clipped_model, update_norm
 from pfedkit.privacy.dp_sgd import batchnorm_layers, batchnorm_to_groupnorm, privatize
-from pfedkit.privacy.setup import aggregates_by_mean, check_sample_dp, mean_algorithms
+from pfedkit.privacy.setup import check_sample_dp, mean_algorithms
+from pfedkit.run_files import read_diagnostics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -114,14 +116,14 @@ def test_aggregate_moves_by_at_most_clip_over_m_per_client_without_noise():
 
 
 def test_client_dp_ignores_sample_size_weights():
-    """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the streamed
-    FedAvg aggregation with client_dp gives the uniform mean of the (unclipped) uploads."""
+    """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the round's
+    aggregation client-level DP gives FedAvg is the uniform mean of the (unclipped) uploads."""
     counts = np.array([[10], [90]])
     algo = FedAvg(NoHyper(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
-    algo.client_dp = ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0)
+    private = ClientDPAggregation(ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0), algo)
     reference = model_params(0)
     uploads = {cid: {n: reference[n] + 0.01 * t for n, t in model_params(cid + 5).items()} for cid in (0, 1)}
-    agg = algo.start_aggregation(1, {"params": reference}, [0, 1])
+    agg = private(1, {"params": reference}, [0, 1])
     for cid in (1, 0):
         agg.add(cid, {"params": uploads[cid], "weight": int(counts[cid].sum())})
     result = agg.finish()["params"]
@@ -321,26 +323,32 @@ def test_prv_accountant_matches_opacus_prv():
 
 # --- refusals and config ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["local", "fedamp", "ifca"])
-def test_client_dp_refuses_algorithms_that_do_not_average_updates(equal_clients, algorithm, tmp_path):
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_client_dp_wraps_every_mean_of_uploads_algorithm_and_refuses_the_others(equal_clients, algorithm, tmp_path):
+    """Every registered algorithm: a `MeanOfUploads` one runs with the noised mean (the round's
+    clipping diagnostics exist, so `ClientDPMean` aggregated it), any other is refused before a run
+    directory stays, in one line naming it and the allowed ones."""
+    config = {**equal_clients, "algorithm": algorithm, "rounds": 1,
+              "dp": {"level": "client", "clip": 1.0, "noise_multiplier": 0.5}}
+    if issubclass(get_algorithm(algorithm), MeanOfUploads):
+        result = pfedkit.run(config)
+        diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
+        assert set(diagnostics["dp_clipped_fraction"]) == set(diagnostics["dp_update_norm_median"]) == {1}
+        assert math.isfinite(diagnostics["dp_update_norm_median"][1]) and result.summary["dp_level"] == "client"
+        return
     with pytest.raises(ConfigError) as err:
-        pfedkit.run({**equal_clients, "algorithm": algorithm, "dp": {"level": "client"}})
+        pfedkit.run(config)
     message = str(err.value)
-    assert "\n" not in message and f"algorithm {algorithm}" in message and "fedavg" in message
+    assert "\n" not in message and f"algorithm {algorithm} " in message
+    assert message.endswith(f"allowed with: {', '.join(mean_algorithms())}")
     assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
 
 
 def test_client_dp_applies_exactly_to_the_algorithms_declaring_the_mean_of_uploads():
     """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`,
-    docs/privacy.md's list), and not a subclass that aggregates otherwise."""
+    docs/privacy.md's list); a subclass aggregating otherwise cannot be one (tests/test_speed_paths.py)."""
     assert mean_algorithms() == ["apfl", "ditto", "fedavg", "fedbabu", "fedper", "fedprox", "fedrep", "fedrod",
                                  "feduv", "lg_fedavg", "moon", "perfedavg"]
-
-    class Halved(FedAvg):
-        def aggregate(self, rnd, server, replies):
-            return {"params": {k: v / 2 for k, v in FedAvg.aggregate(self, rnd, server, replies)["params"].items()}}
-
-    assert aggregates_by_mean(FedAvg) and not aggregates_by_mean(Halved)
 
 
 @pytest.mark.parametrize("override, key", [("dp.level=both", "dp.level"), ("dp.clip=0", "dp.clip"),

@@ -17,11 +17,12 @@ from threadpoolctl import ThreadpoolController, threadpool_limits
 
 import pfedkit
 from pfedkit import build, runs
-from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import registry
 from pfedkit.config import load_config
 from pfedkit.core.backends import BACKENDS
-from pfedkit.core.contract import Fit, cross_entropy
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import Algorithm, Fit, cross_entropy
+from pfedkit.core.params import clone
 
 OUTSIDE_THREADS = 3  # this process's torch count around the runs: never a run's count below
 
@@ -47,13 +48,14 @@ def thread_count_loss(out, y, params, context) -> torch.Tensor:
     return loss - loss.detach() + torch.get_num_threads()
 
 
-class ThreadProbe(FedAvg):
-    """FedAvg with a report, an adaptation and a custom predict, recording threads in each hook."""
+class ThreadProbe(Algorithm):
+    """FedAvg's math (its mean aggregated in batch: `aggregate` is a hook here) with a report, an
+    adaptation and a custom predict, recording threads in each hook."""
     name = "thread_probe"
 
     def init_server(self, params):
         seen("init_server")
-        return super().init_server(params)
+        return {"params": clone(params)}
 
     def init_client(self, cid, params):
         seen("init_client")
@@ -69,7 +71,7 @@ class ThreadProbe(FedAvg):
 
     def broadcast(self, rnd, server, cids):
         seen("broadcast")
-        return super().broadcast(rnd, server, cids)
+        return {cid: {"params": server["params"]} for cid in cids}
 
     def client_update(self, rnd, cid, client, message, data):
         seen("client_update: before its Fit")
@@ -78,9 +80,9 @@ class ThreadProbe(FedAvg):
         LAYOUTS[(rnd, cid)] = tuple((name, tuple(t.stride())) for name, t in sorted(params.items()))
         return client, {"params": params, "weight": data.n_train}
 
-    def aggregate(self, rnd, server, replies):  # overriding it: the batch aggregation, called once
+    def aggregate(self, rnd, server, replies):  # the batch aggregation, called once
         seen("aggregate")
-        return super().aggregate(rnd, server, replies)
+        return {"params": fedavg_aggregate(replies)} if replies else server
 
     def client_model(self, cid, server, client):
         seen("client_model")

@@ -236,10 +236,6 @@ class Algorithm:
     # Fits and evaluations keep the run's count); a fixed count, so the numbers do not depend on
     # the backend either. None (the default): the run's count (`threads`).
     small_op_threads: ClassVar[int | None] = None
-    # Client-level DP settings (`pfedkit.privacy.client_dp.ClientDP`), set on the instance by
-    # `pfedkit.privacy.setup.attach_client_dp` for algorithms that aggregate through
-    # `params_mean_aggregation`; None: no DP.
-    client_dp: Any = None
 
     def __init__(self, hyper: BaseModel, setup: Setup) -> None:
         self.h = hyper

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from pfedkit.core.aggregation import Aggregation, StartAggregation
 from pfedkit.core.contract import Algorithm, Message, message_bytes
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.seeds import SERVER, numpy_rng, round_participants
@@ -58,13 +60,16 @@ class RoundReport:
 
 class Simulation:
     """The round loop over an algorithm; `clients` is the clients' side (default: `LocalClients`
-    over `data` and `runtime`; the Flower server passes one that talks to nodes, and no runtime)."""
+    over `data` and `runtime`; the Flower server passes one that talks to nodes, and no runtime).
+    `start_aggregation`: how each round's replies are aggregated when not by the algorithm's own
+    `start_aggregation` (client-level DP's noised mean, `pfedkit.privacy`: the algorithm never knows)."""
 
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime: Runtime | None, *, threads: int,
-                 rounds: int, seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+                 start_aggregation: StartAggregation | None = None, rounds: int, seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
                  eval_point: str = "after_download", participants: str = "round", clients: Clients | None = None,
                  placement: Placement = Placement(), new_clients: int = 0, new_client_finetune: int = 0) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
+        self.aggregation_policy = start_aggregation
         self.rounds, self.seed, self.join_ratio, self.eval_every = rounds, seed, join_ratio, eval_every
         self.keep_optimizer_state, self.participants = keep_optimizer_state, participants
         if eval_point not in ("after_download", "after_local_training"):
@@ -141,7 +146,7 @@ class Simulation:
         cids = self.round_participants(rnd)
         reported = self.exchange_reports(rnd, cids, state)
         messages = algo.broadcast(rnd, state.server, cids)
-        aggregation, reply_bytes = algo.start_aggregation(rnd, state.server, cids), {}
+        aggregation, reply_bytes = self.start_aggregation(rnd, state.server, cids), {}
 
         def receive(cid: int, reply: Message) -> None:
             reply_bytes[cid] = message_bytes(reply)  # counted here, then held by nobody but the aggregation
@@ -166,6 +171,12 @@ class Simulation:
                     if evals else None)
         samples = sum(s["samples"] for s in stats.values())
         return RoundReport(rnd, cids, weighted, trained - started, evaluated - trained, samples)
+
+    def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
+        """Round `rnd`'s aggregation: the policy given from outside, else the algorithm's own (looked
+        up each round, as the algorithm's other hooks are)."""
+        start = self.aggregation_policy or self.algorithm.start_aggregation
+        return start(rnd, server, cids)
 
     def _evaluate(self, rnd: int, state: SimState, stats: dict[int, dict]):
         n, c = self.data.num_clients, self.data.num_classes
