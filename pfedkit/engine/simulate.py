@@ -65,7 +65,8 @@ class Simulation:
     `start_aggregation` (client-level DP's noised mean, `pfedkit.privacy`: the algorithm never knows)."""
 
     def __init__(self, algorithm: Algorithm, data: FederatedData, runtime: Runtime | None, *, threads: int,
-                 start_aggregation: StartAggregation | None = None, rounds: int, seed: int, join_ratio: float, eval_every: int, keep_optimizer_state: bool = False,
+                 start_aggregation: StartAggregation | None = None, rounds: int, seed: int, join_ratio: float,
+                 eval_every: int, keep_optimizer_state: bool = False,
                  eval_point: str = "after_download", participants: str = "round", clients: Clients | None = None,
                  placement: Placement = Placement(), new_clients: int = 0, new_client_finetune: int = 0) -> None:
         self.algorithm, self.data, self.runtime = algorithm, data, runtime
