@@ -314,12 +314,12 @@ def apfl(parts: Parts, cid: int) -> Expected:
 def perfedavg(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
-    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.h.alpha, step=inner_step))
+    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.hyper.alpha, step=inner_step))
 
 
 def fedbabu(parts: Parts, cid: int) -> Expected:
     """Global body (FedAvg of the trained bodies) + the fixed initial head, fine-tuned for finetune_epochs."""
-    params, h = merge(averaged(parts, "body"), select(parts.initial, "head")), parts.algorithm.h
+    params, h = merge(averaged(parts, "body"), select(parts.initial, "head")), parts.algorithm.hyper
     return Expected(params, adapt=Fit(params, trainable=h.finetune_part, epochs=h.finetune_epochs))
 
 
@@ -343,7 +343,7 @@ def l2gd(parts: Parts, cid: int) -> Expected:
     message = parts.download(cid)
     if "mean" not in message:
         return last_trained(parts, cid)
-    return Expected(interpolate(parts.before[cid]["params"], message["mean"], parts.algorithm.h.theta))
+    return Expected(interpolate(parts.before[cid]["params"], message["mean"], parts.algorithm.hyper.theta))
 
 
 def fedgh(parts: Parts, cid: int) -> Expected:
@@ -438,7 +438,7 @@ def fedrema(parts: Parts, cid: int) -> Expected:
     heads = [select(parts.trained(j, -1), "head") for j in participants]
     if parts.diagnostic("ccp_active"):
         chosen = [int(j) for j in parts.diagnostic("selected")[cid]]
-        weights = [parts.sizes[j] if algorithm.h.peer_weighting == "samples" else 1.0 for j in chosen]
+        weights = [parts.sizes[j] if algorithm.hyper.peer_weighting == "samples" else 1.0 for j in chosen]
     else:
         dependency = algorithm.diagnostics["dependency_map"]
         row = dependency[max(dependency)][cid]

@@ -18,7 +18,7 @@ import pfedkit
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
 from pfedkit.core.aggregation import SampleWeightedMean
-from pfedkit.core.contract import NoHyper, Setup
+from pfedkit.core.contract import HyperParams, Setup
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
@@ -117,7 +117,7 @@ def test_client_dp_ignores_sample_size_weights():
     """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the streamed
     FedAvg aggregation with client_dp gives the uniform mean of the (unclipped) uploads."""
     counts = np.array([[10], [90]])
-    algo = FedAvg(NoHyper(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
+    algo = FedAvg(HyperParams(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
     algo.client_dp = ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0)
     reference = model_params(0)
     uploads = {cid: {n: reference[n] + 0.01 * t for n, t in model_params(cid + 5).items()} for cid in (0, 1)}

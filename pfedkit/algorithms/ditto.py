@@ -13,12 +13,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone
 
 
@@ -27,8 +27,7 @@ class Ditto(FedAvg):
     name = "ditto"
     description = "Ditto: personal model with a proximal pull lam to the global model, both trained each round"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective")
         personal_epochs: int = Field(1, ge=0, description="plocal: epochs on the personal model per round")
 
@@ -37,8 +36,8 @@ class Ditto(FedAvg):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         received = message["params"]
-        personal = yield Fit(client["personal"], loss=partial(proximal_loss, mu=self.h.lam),
-                             context={"anchor": received}, epochs=self.h.personal_epochs, optimizer="personal")
+        personal = yield Fit(client["personal"], loss=partial(proximal_loss, mu=self.hyper.lam),
+                             context={"anchor": received}, epochs=self.hyper.personal_epochs, optimizer="personal")
         trained = yield Fit(received, optimizer="global")
         return {"personal": personal}, {"params": trained, "weight": data.n_train}
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import MeanOfUploads
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select
 
 
@@ -29,8 +29,7 @@ class FedBABU(MeanOfUploads, Algorithm):
     averaged = "body"  # the server averages the bodies (`MeanOfUploads`)
     description = "FedBABU: body-only federated training with a fixed random head, fine-tuned at evaluation"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         finetune_epochs: int = Field(5, ge=0, description="tau_f: fine-tuning epochs before each evaluation "
                                      "(0: evaluate the global model as is)")
         finetune_steps: int | None = Field(None, ge=1, description="fine-tune exactly this many mini-batches "
@@ -55,8 +54,8 @@ class FedBABU(MeanOfUploads, Algorithm):
         return merge(server["body"], client["head"])
 
     def adapt(self, cid: int, server: dict, client: dict, params: Params) -> Fit | None:
-        if self.h.finetune_steps is None and self.h.finetune_epochs == 0:
+        if self.hyper.finetune_steps is None and self.hyper.finetune_epochs == 0:
             return None
-        if self.h.finetune_steps is not None:
-            return Fit(params, trainable=self.h.finetune_part, steps=self.h.finetune_steps)
-        return Fit(params, trainable=self.h.finetune_part, epochs=self.h.finetune_epochs)
+        if self.hyper.finetune_steps is not None:
+            return Fit(params, trainable=self.hyper.finetune_part, steps=self.hyper.finetune_steps)
+        return Fit(params, trainable=self.hyper.finetune_part, epochs=self.hyper.finetune_epochs)

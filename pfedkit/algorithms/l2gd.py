@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
 from pfedkit.core.seeds import SERVER, numpy_rng
 
@@ -35,13 +35,12 @@ class L2GD(Algorithm):
     name = "l2gd"
     description = "L2GD: local SGD rounds and, with probability p, rounds mixing every model towards the mean"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round")
         theta: float = Field(0.1, ge=0, le=1, description="mixing weight towards the mean (eta*lam/(N p))")
 
     def aggregating(self, rnd: int) -> bool:
-        return rnd >= 1 and is_aggregation_round(self.setup.seed, rnd, self.h.p)
+        return rnd >= 1 and is_aggregation_round(self.setup.seed, rnd, self.hyper.p)
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}
@@ -60,7 +59,7 @@ class L2GD(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         if "mean" in message:
-            return {"params": interpolate(client["params"], message["mean"], self.h.theta)}, {}
+            return {"params": interpolate(client["params"], message["mean"], self.hyper.theta)}, {}
         params = yield Fit(client["params"])
         return {"params": params}, {}
 

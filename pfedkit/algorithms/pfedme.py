@@ -19,10 +19,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools
+from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
 
 LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
@@ -54,8 +54,7 @@ class PFedMe(Algorithm):
     name = "pfedme"
     description = "pFedMe: Moreau-envelope inner solve (K steps, lam) per batch, server mix with beta"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i")
         inner_steps: int = Field(5, ge=1, description="K: gradient steps of the inner (personalised) problem per batch")
         personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps")
@@ -84,8 +83,8 @@ class PFedMe(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         received = message["params"]
-        step = partial(moreau_step, lam=self.h.lam, inner_steps=self.h.inner_steps,
-                       personal_lr=self.h.personal_lr, mu=self.h.mu)
+        step = partial(moreau_step, lam=self.hyper.lam, inner_steps=self.hyper.inner_steps,
+                       personal_lr=self.hyper.personal_lr, mu=self.hyper.mu)
         trained = yield Fit(received, step=step, extra={LOCAL + name: t for name, t in received.items()})
         theta = {name: t for name, t in trained.items() if not name.startswith(LOCAL)}
         local = {name[len(LOCAL):]: t for name, t in trained.items() if name.startswith(LOCAL)}
@@ -95,7 +94,7 @@ class PFedMe(Algorithm):
         if not replies:
             return server
         uploads = [replies[cid]["params"] for cid in sorted(replies)]
-        return {"params": interpolate(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.h.beta)}
+        return {"params": interpolate(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.hyper.beta)}
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return server["params"] if client["theta"] is None else client["theta"]
