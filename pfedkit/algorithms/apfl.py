@@ -62,6 +62,7 @@ def apfl_step(tools: StepTools, batches: list[Batch], *, adaptive: bool, alpha_l
 class APFL(FedAvg):
     name = "apfl"
     description = "APFL: personal model v mixed as alpha v + (1 - alpha) w, alpha learned per client"
+    evaluated_model = "custom"  # alpha_i v_i + (1 - alpha_i) w
 
     class Hyper(HyperParams):
         alpha_init: float = Field(0.5, ge=0, le=1, description="initial mixing weight alpha_i of every client")

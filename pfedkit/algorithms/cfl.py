@@ -88,6 +88,7 @@ def bipartition(gram: np.ndarray) -> tuple[list[int], list[int]]:
 class CFL(Algorithm):
     name = "cfl"
     description = "CFL: one cluster split recursively by the cosine of client updates once the mean update stalls"
+    evaluated_model = "custom"  # the model of the client's cluster
 
     class Hyper(HyperParams):
         """CFL hyperparameters (spec baselines.md "CFL").

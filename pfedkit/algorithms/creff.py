@@ -183,6 +183,9 @@ def mean_cross_entropy(features: torch.Tensor, labels: torch.Tensor, weight: tor
 class CReFF(Algorithm):
     name = "creff"
     description = "CReFF: FedAvg + a classifier re-trained on server-side features learnt by gradient matching"
+    evaluated_model = "custom"  # the FedAvg body with the server's re-trained classifier
+    # the server's loops shortened (100 features per class, 100 matching steps, 300 re-training epochs)
+    quick_test_options = {"num_features": 4, "feature_steps": 2, "retrain_epochs": 2, "grad_repeats": 1}
     head = "last"
     # The server's loops and the clients' gradient draws are thousands of tiny ops: one thread is
     # fastest. The engine runs this algorithm's own code (client updates between their Fits, the

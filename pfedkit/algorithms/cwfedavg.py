@@ -242,6 +242,7 @@ def model_mismatch(params: Params, num_classes: int, class_wise_layers: str | in
 class CwFedAvg(Algorithm):
     name = "cwfedavg"
     description = "cwFedAvg + WDR: class-wise FedAvg, personalised mix by estimated class distribution"
+    evaluated_model = "custom"  # shared layers + the class-wise models mixed by the client's p~
     head = "last"
 
     class Hyper(HyperParams):

@@ -241,6 +241,7 @@ def local_objective(out: Forward, y: torch.Tensor, params: Params, context: Mapp
 class DAPFL(Algorithm):
     name = "dapfl"
     description = "DA-PFL: affinity x model-distance weighted mix of other participants, proximal local model"
+    evaluated_model = "own"
     head = "last"  # whole model aggregated; the split is only used for logging
 
     class Hyper(HyperParams):

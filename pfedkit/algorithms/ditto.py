@@ -26,6 +26,7 @@ from pfedkit.core.params import Params, clone
 class Ditto(FedAvg):
     name = "ditto"
     description = "Ditto: personal model with a proximal pull lam to the global model, both trained each round"
+    evaluated_model = "custom"  # the personal model v_i (the first Fit's answer)
 
     class Hyper(HyperParams):
         lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective")

@@ -55,6 +55,7 @@ def attention_row(distances_sq: np.ndarray, i: int, alpha_k: float, sigma: float
 class FedAMP(Algorithm):
     name = "fedamp"
     description = "FedAMP: per-client cloud models from attention weights on model distances, proximal local training"
+    evaluated_model = "own"
 
     class Hyper(HyperParams):
         """FedAMP options (defaults: cwFedAvg Table 5, the seed papers' setting; PFLlib uses

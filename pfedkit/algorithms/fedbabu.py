@@ -28,6 +28,8 @@ class FedBABU(MeanOfUploads, Algorithm):
     head_splits = ("fc",)  # any split: the head is simply the part kept (or frozen) per client
     averaged = "body"  # the server averages the bodies (`MeanOfUploads`)
     description = "FedBABU: body-only federated training with a fixed random head, fine-tuned at evaluation"
+    evaluated_model = "custom"  # global body + the fixed initial head, fine-tuned before evaluation
+    quick_test_options = {"finetune_epochs": 1}  # (5 fine-tuning epochs before each evaluation by default)
 
     class Hyper(HyperParams):
         finetune_epochs: int = Field(5, ge=0, description="tau_f: fine-tuning epochs before each evaluation "

@@ -136,6 +136,7 @@ def without_own(sums: torch.Tensor, counts: torch.Tensor, own: torch.Tensor,
 class FedDistill(Algorithm):
     name = "feddistill"
     description = "FedDistill (FD): clients share per-label mean logits and distil them into their own models"
+    evaluated_model = "own"
     supports_heterogeneous_models = True  # only C-dimensional logit vectors travel
 
     class Hyper(HyperParams):

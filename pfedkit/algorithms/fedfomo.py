@@ -120,6 +120,8 @@ def fomo_update(own: Params, peers: Sequence[Params], weights: np.ndarray) -> Pa
 class FedFomo(Algorithm):
     name = "fedfomo"
     description = "FedFomo: download top-M peers by affinity, mix by validation-loss improvement per distance"
+    evaluated_model = "own"
+    quick_test_options = {"num_peers": 3}  # (5 by default: more than a 4-client run has, with a warning)
 
     class Hyper(HyperParams):
         """FedFomo hyperparameters (spec baselines.md "FedFomo").

@@ -65,6 +65,7 @@ def train_global_head(head_module: torch.nn.Module, head: Params, features: torc
 class FedGH(Algorithm):
     name = "fedgh"
     description = "FedGH: private bodies, a global head trained by the server on uploaded class-mean features"
+    evaluated_model = "custom"  # own body + the head the server trained
     head = "last"
     supports_heterogeneous_models = True  # only class-mean features and the head travel
 

@@ -106,6 +106,7 @@ def upload_sums(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int,
 class FedNH(Algorithm):
     name = "fednh"
     description = "FedNH: frozen unit-norm class-prototype classifier, prototypes moved to the clients' class means"
+    evaluated_model = "custom"  # global body + the server's prototypes as head, scored with its scale
     head = "last"
 
     class Hyper(HyperParams):

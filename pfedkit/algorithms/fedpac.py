@@ -174,6 +174,7 @@ def collaboration_weights(variances: torch.Tensor, weighted_means: torch.Tensor)
 class FedPAC(Algorithm):
     name = "fedpac"
     description = "FedPAC: FedAvg body with feature alignment to global centroids, heads combined by a per-client QP"
+    evaluated_model = "custom"  # global body + the head combined over peers by the QP's weights
     head = "last"
     head_splits = ("fc",)  # the QP combines whatever the head holds; the FedReMa paper's split is all FC layers
 

@@ -75,6 +75,7 @@ def nearest_group(vector: np.ndarray, centroids: np.ndarray) -> int:
 class FedPFA(Algorithm):
     name = "fedpfa"
     description = "FedPFA: FedAvg, then FedAvg inside groups of clients with similar activation sparsity"
+    evaluated_model = "custom"  # the client's group model, else the federated one
     head = "last"
 
     class Hyper(HyperParams):

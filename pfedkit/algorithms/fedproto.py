@@ -52,6 +52,7 @@ def prototype_logits(features: torch.Tensor, prototypes: torch.Tensor, present: 
 class FedProto(PrototypeExchange, Algorithm):
     name = "fedproto"
     description = "FedProto: clients share class prototypes (mean features), predict by the nearest global prototype"
+    evaluated_model = "custom"  # own model, predicting by the nearest global prototype
 
     class Hyper(PrototypeOptions):
         """FedProto hyperparameters (baselines.md "FedProto"): the prototype options

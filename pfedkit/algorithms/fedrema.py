@@ -164,6 +164,7 @@ def class_prototypes(features: torch.Tensor, labels: torch.Tensor,
 class FedReMa(Algorithm):
     name = "fedrema"
     description = "FedReMa: FedAvg body, heads averaged over MDS-selected relevant peers (CCP), then by G"
+    evaluated_model = "custom"  # global body + the head averaged over the selected peers
     head = "fc"
 
     class Hyper(HyperParams):

@@ -21,6 +21,7 @@ from pfedkit.core.params import Params
 class FedRep(FedPer):
     name = "fedrep"
     description = "FedRep: train the private head (body frozen), then the shared body (head frozen)"
+    quick_test_options = {"head_epochs": 1}  # (10 head epochs per round by default)
 
     class Hyper(HyperParams):
         head_epochs: int = Field(10, ge=0, description="tau_h: head epochs per round, body frozen")

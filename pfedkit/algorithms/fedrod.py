@@ -114,6 +114,7 @@ class FedRoD(MeanOfUploads, Algorithm):
     """The server averages body + generic head (`MeanOfUploads`, key "params")."""
     name = "fedrod"
     description = "FedRoD: shared body + generic head on balanced softmax, private personal head on top"
+    evaluated_model = "custom"  # global body + generic head + the personal head
     head = "last"
 
     class Hyper(HyperParams):

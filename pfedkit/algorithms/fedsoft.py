@@ -116,6 +116,7 @@ def soft_proximal_loss(out: Forward, y: torch.Tensor, params: Params, context: M
 class FedSoft(Algorithm):
     name = "fedsoft"
     description = "FedSoft: S soft-clustered centres, local models pulled to each centre by importance weights"
+    evaluated_model = "own"
 
     class Hyper(HyperParams):
         """FedSoft hyperparameters (spec baselines.md "FedSoft").

@@ -67,6 +67,7 @@ def draw_initial_centres(seed: int, rnd: int, uploaders: list[int], k: int) -> l
 class FeSEM(Algorithm):
     name = "fesem"
     description = "FeSEM: K centres by stochastic EM on local models; each client trains from its nearest centre"
+    evaluated_model = "own"
 
     class Hyper(HyperParams):
         """FeSEM hyperparameters.

@@ -42,6 +42,7 @@ def choose_cluster(ops, models: list[Params], data: ClientData) -> tuple[int, li
 class IFCA(Algorithm):
     name = "ifca"
     description = "IFCA: k cluster models, each client trains the one with the lowest loss on its data"
+    evaluated_model = "custom"  # the cluster model the client chose
 
     class Hyper(HyperParams):
         """IFCA hyperparameters.

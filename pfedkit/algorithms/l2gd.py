@@ -34,6 +34,7 @@ def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:
 class L2GD(Algorithm):
     name = "l2gd"
     description = "L2GD: local SGD rounds and, with probability p, rounds mixing every model towards the mean"
+    evaluated_model = "custom"  # the local model, mixed towards the mean on an aggregation round
 
     class Hyper(HyperParams):
         p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round")

@@ -73,6 +73,7 @@ def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: s
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     description = "Per-FedAvg: MAML-style meta step (fo or hf), FedAvg server, evaluated after one local step"
+    evaluated_model = "custom"  # the global model after one adaptation step
 
     class Hyper(HyperParams):
         variant: Literal["fo", "hf"] = Field("fo", description="first-order (2 batches per step) or "

@@ -311,6 +311,7 @@ def frozen_teacher_outputs(ops: Any, teacher: Params, x: torch.Tensor, buffers: 
 class PFedCS(Algorithm):
     name = "pfedcs"
     description = "PFedCS: GMM-chosen similar classifiers -> customised teacher head, then FedPer"
+    evaluated_model = "custom"  # global body + own head, with normalised logits
     head = "last"
 
     class Hyper(HyperParams):

@@ -53,6 +53,7 @@ def moreau_step(tools: StepTools, batches: list[Batch], *, lam: float, inner_ste
 class PFedMe(Algorithm):
     name = "pfedme"
     description = "pFedMe: Moreau-envelope inner solve (K steps, lam) per batch, server mix with beta"
+    evaluated_model = "own"
 
     class Hyper(HyperParams):
         lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i")

@@ -183,6 +183,7 @@ class PFedPM(PrototypeExchange, Algorithm):
     the mix of eq. (8) and the local training of eq. (9)."""
     name = "pfedpm"
     description = "pFedPM: clients exchange per-class mean features; local loss pulls features to a local/global mix"
+    evaluated_model = "own"
 
     class Hyper(PrototypeOptions):
         """pFedPM hyperparameters (seed spec §2.7): the prototype options (`PrototypeOptions`: lam,
@@ -234,6 +235,7 @@ class PFedPM(PrototypeExchange, Algorithm):
 class RPFedPM(PFedPM):
     name = "rpfedpm"
     description = "R-pFedPM: pFedPM with a per-client relation module scoring (feature, class feature) pairs"
+    evaluated_model = "custom"  # own model, predicting by the relation module's scores
     removed_options = REMOVED_RELATION_KEYS
 
     class Hyper(PFedPM.Hyper):

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 import torch
@@ -161,6 +161,16 @@ class StepTools(Protocol):
 LocalStep = Callable[[StepTools, list[Batch]], float]
 
 
+# How the model a client is evaluated with is assembled (`Algorithm.evaluated_model`):
+#   "global": the server's n_i-weighted mean of the round's trained models (FedAvg, FedProx, MOON);
+#   "own": the model the client's own latest training returned (Local, DA-PFL, FedAMP, FeSEM);
+#   "shared_body": the mean of the trained bodies + the client's own trained head (FedPer, FedRep);
+#   "shared_head": the mean of the trained heads + the client's own trained body (LG-FedAvg);
+#   "custom": anything else (a mixture, adaptation, a custom prediction): the method's own rule.
+EvaluatedModel = Literal["global", "own", "shared_body", "shared_head", "custom"]
+EVALUATED_MODELS: tuple[str, ...] = get_args(EvaluatedModel)
+
+
 class HyperParams(BaseModel):
     """The base of every method's `Hyper` (its config section): a key the method does not declare
     is refused (with "did you mean"). A method without options of its own keeps this one."""
@@ -230,7 +240,7 @@ class Algorithm:
     Everything below those is optional, grouped by concept: evaluation (a custom prediction, the
     model right after training, evaluation-time adaptation), the setup exchange (an upload before
     the broadcast), clients that never trained, a streamed aggregation, checks of the options
-    against the model and data, and the engine hints (class attributes).
+    against the model and data, the engine hints and what tests and tools read (class attributes).
     """
     # --- what every method declares ---------------------------------------------------------------
     name: ClassVar[str]
@@ -259,6 +269,19 @@ class Algorithm:
     # `pfedkit.privacy.setup.attach_client_dp` for algorithms that aggregate through
     # `params_mean_aggregation`; None: no DP.
     client_dp: Any = None
+
+    # --- what tests and tools read (declared; the engine never reads them) -------------------------
+    # Which standard assembly gives the model a client is evaluated with (its docs page's "Evaluated
+    # model"): one of EVALUATED_MODELS. tests/test_evaluated_model.py rebuilds that model from what
+    # the engine saw, independently of the algorithm, and checks the run evaluated it; "custom" means
+    # the test holds a rule of the method's own under its name. None: undeclared (that test fails
+    # and says to declare it). A subclass inherits its parent's: declare it again where
+    # `client_model` (or `predict`, `adapt`) assembles another model.
+    evaluated_model: ClassVar[EvaluatedModel | None] = None
+    # Options (fields of `Hyper`) that keep the generic tests' short runs on the embedded digits set
+    # fast without leaving out a code path (fewer head epochs, a shorter server loop): e.g. FedRep's
+    # {"head_epochs": 1}. The tests use them in every run they make of the method; {}: the defaults.
+    quick_test_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, hyper: HyperParams, setup: Setup) -> None:
         self.hyper = hyper  # the validated options (`Hyper`)
