@@ -248,6 +248,17 @@ def test_every_shipped_space_names_real_options_within_their_limits():
         check_space(base_config(algorithm=name), space, "shipped")  # ConfigError if a key or end is refused
 
 
+def test_the_spaces_declared_on_the_options_are_the_shipped_file_s():
+    """Moving the search spaces from tuning_spaces.yaml onto the algorithms' options kept every
+    range and every section (empty ones included), and no section was added."""
+    from pfedkit.experiments.tuning import read_spaces, shipped_spaces
+
+    def dumped(spaces):
+        return {section: {key: spec.model_dump() for key, spec in space.items()} for section, space in spaces.items()}
+
+    assert dumped(shipped_spaces()) == dumped(read_spaces())
+
+
 # ---- pruning and Flower --------------------------------------------------------------------------
 
 def test_the_median_pruner_stops_a_trial_below_the_median_of_earlier_trials(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Batch, ClientData, ClientUpdate, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params, clone, interpolate
+from pfedkit.core.search import float_range
 
 PERSONAL = "personal."  # prefix of v among a Fit's extra tensors
 ALPHA = "alpha"
@@ -65,7 +66,8 @@ class APFL(FedAvg):
     evaluated_model = "custom"  # alpha_i v_i + (1 - alpha_i) w
 
     class Hyper(HyperParams):
-        alpha_init: float = Field(0.5, ge=0, le=1, description="initial mixing weight alpha_i of every client")
+        alpha_init: float = Field(0.5, ge=0, le=1, description="initial mixing weight alpha_i of every client",
+                                  json_schema_extra=float_range(0.1, 0.9))
         adaptive: bool = Field(True, description="learn alpha_i by gradient steps (False: keep alpha_init)")
         alpha_lr: float | None = Field(None, ge=0, description="step size of the alpha update (None: the config's lr)")
 

@@ -40,6 +40,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, weighted_mean
+from pfedkit.core.search import float_range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +274,8 @@ class CwFedAvg(Algorithm):
         class_wise_layers: Literal["output", "all"] | PositiveInt = Field(
             "output", description="'output', 'all', or the number of last layers aggregated class-wise")
         wdr: bool = Field(True, description="use the Weight Distribution Regulariser")
-        wdr_lambda: float = Field(10.0, ge=0, description="WDR coefficient lambda")
+        wdr_lambda: float = Field(10.0, ge=0, description="WDR coefficient lambda",
+                                  json_schema_extra=float_range(0.1, 100.0, log=True))
         wdr_half_factor: bool = Field(False, description="apply 0.5*lambda like the authors' code")
         distribution: Literal["approx", "empirical"] = Field("approx", description="p~ (eq. 4) or true p")
         empirical_from: Literal["train", "train_and_test"] = Field("train", description="counts behind p_i")

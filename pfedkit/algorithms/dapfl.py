@@ -33,6 +33,7 @@ from pfedkit.algorithms.peers import mix, mixing_matrix
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params, clone, flatten
+from pfedkit.core.search import float_range
 
 # The proximal weight λ: the paper gives no value. Picked from the sweep in benchmarks/RESULTS.md
 # ("DA-PFL lambda sweep": MNIST, 20 clients, Dirichlet 0.1): λ = 0.1 was best, λ = 1 cost ~2 points.
@@ -265,7 +266,8 @@ class DAPFL(Algorithm):
         Local epochs (1 [ours]), batch 10, lr and SGD without momentum come from the run config.
         """
 
-        lam: float = Field(LAM_DEFAULT, ge=0, description="proximal weight λ (eq. 2/10)")
+        lam: float = Field(LAM_DEFAULT, ge=0, description="proximal weight λ (eq. 2/10)",
+                           json_schema_extra=float_range(0.01, 1.0, log=True))
         sigma: Annotated[float, Field(gt=0)] | Literal["median"] = Field(
             "median", description="distance scale σ of eq. 7, or 'median' of the round's squared distances")
         zero_affinity: Literal["uniform", "distance"] = Field(

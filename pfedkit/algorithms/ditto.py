@@ -20,6 +20,7 @@ from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 
 @register
@@ -29,7 +30,8 @@ class Ditto(FedAvg):
     evaluated_model = "custom"  # the personal model v_i (the first Fit's answer)
 
     class Hyper(HyperParams):
-        lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective")
+        lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective",
+                           json_schema_extra=float_range(0.01, 10.0, log=True))
         personal_epochs: int = Field(1, ge=0, description="plocal: epochs on the personal model per round")
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pfedkit.algorithms.peers import mix, mixing_matrix
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, squared_distance_f64
+from pfedkit.core.search import float_range
 
 
 def squared_distances_to(models: Sequence[Params], i: int) -> np.ndarray:
@@ -66,9 +67,12 @@ class FedAMP(Algorithm):
         lam: lambda, weight of the proximal term lam/(2 alpha_K) ||w - u_i||^2 (1 [cwFedAvg, PFLlib]).
         sigma: scale of A'(x) = e^{-x/sigma}/sigma on squared model distances (0.1 [cwFedAvg]).
         """
-        alpha_k: float = Field(1000.0, gt=0, description="alpha_K: attention step, scales xi and divides lam")
-        lam: float = Field(1.0, ge=0, description="lambda: proximal weight lam/(2 alpha_K) ||w - u_i||^2")
-        sigma: float = Field(0.1, gt=0, description="sigma of the attention function e^{-d/sigma}/sigma")
+        alpha_k: float = Field(1000.0, gt=0, description="alpha_K: attention step, scales xi and divides lam",
+                               json_schema_extra=float_range(100.0, 10000.0, log=True))
+        lam: float = Field(1.0, ge=0, description="lambda: proximal weight lam/(2 alpha_K) ||w - u_i||^2",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
+        sigma: float = Field(0.1, gt=0, description="sigma of the attention function e^{-d/sigma}/sigma",
+                             json_schema_extra=float_range(0.01, 1.0, log=True))
 
     def init_server(self, params: Params) -> dict[str, Any]:
         initial = clone(params)  # one shared copy: every client's stored model until it uploads

@@ -20,6 +20,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import MeanOfUploads
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select
+from pfedkit.core.search import int_range
 
 
 @register
@@ -33,7 +34,7 @@ class FedBABU(MeanOfUploads, Algorithm):
 
     class Hyper(HyperParams):
         finetune_epochs: int = Field(5, ge=0, description="tau_f: fine-tuning epochs before each evaluation "
-                                     "(0: evaluate the global model as is)")
+                                     "(0: evaluate the global model as is)", json_schema_extra=int_range(1, 10))
         finetune_steps: int | None = Field(None, ge=1, description="fine-tune exactly this many mini-batches "
                                            "instead of finetune_epochs")
         finetune_part: Literal["all", "head"] = Field("all", description="what fine-tuning trains: the whole "

@@ -37,6 +37,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
 # Fit extras carrying the per-class sums of the training forwards' logits (upload_logits="training_passes")
@@ -156,7 +157,8 @@ class FedDistill(Algorithm):
            round, all local epochs, train mode, the weights changing between batches [code: PFLlib
            FD, every version].
         """
-        lam: float = Field(1.0, ge=0, description="weight of the distillation term")
+        lam: float = Field(1.0, ge=0, description="weight of the distillation term",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
         distill_loss: Literal["kl", "pfllib_ce", "pfllib_mse"] = Field(
             "kl", description="KL to softmax(global logits), PFLlib's CE with the raw global logits as targets, "
             "or PFLlib's earlier mean squared error to them")

@@ -37,6 +37,7 @@ from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forw
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.core.seeds import SERVER, torch_generator
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512  # samples per forward when computing the class prototypes (memory bound only)
 SCALE = "scale"  # name of s among a Fit's extra tensors
@@ -121,7 +122,8 @@ class FedNH(Algorithm):
         record_prototypes_every: record mu every this many rounds (and at the last round) for the
            report: C * D floats each time [ours].
         """
-        rho: float = Field(0.9, ge=0, le=1, description="prototype momentum (1: prototypes never move)")
+        rho: float = Field(0.9, ge=0, le=1, description="prototype momentum (1: prototypes never move)",
+                           json_schema_extra=float_range(0.5, 0.99))
         scale_init: float = Field(1.0, gt=0, description="initial (or fixed) scale s of the cosine logits")
         learn_scale: bool = Field(True, description="learn s with the body (False: keep scale_init)")
         evaluate: Literal["global", "personal"] = Field(

@@ -43,6 +43,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select, weighted_mean
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512      # samples per forward for the client's statistics (memory bound only)
 PSD_EIGENVALUE_FLOOR = 0.01  # eigenvalues kept when the QP matrix must be projected to PSD
@@ -179,7 +180,8 @@ class FedPAC(Algorithm):
     head_splits = ("fc",)  # the QP combines whatever the head holds; the FedReMa paper's split is all FC layers
 
     class Hyper(HyperParams):
-        lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE to the global centroids")
+        lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE to the global centroids",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
         head_epochs: int = Field(1, ge=0, description="head epochs per round with the body frozen (0: none)")
         head_lr: float | None = Field(None, gt=0, description="learning rate of the head epochs "
                                       "(None: the config's lr; FL-bench uses 0.1)")

@@ -37,6 +37,7 @@ from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, cross_ent
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, merge, select, weighted_mean
 from pfedkit.core.seeds import SERVER, torch_generator
+from pfedkit.core.search import float_range
 
 PROBE_PURPOSE = "fedrema-probe"
 # The code's prototype similarity (sim_type=1) uses a plain softmax (§1.6).
@@ -195,8 +196,10 @@ class FedReMa(Algorithm):
             weighted by n_{i,c} (FedPAC).
         head_epochs: epochs of the head phase in A/AF; None = local_epochs [code] (FedPAC: 1).
         """
-        delta: float = Field(0.5, ge=0, le=1, description="CCP threshold δ (eq. 9)")
-        temperature: float = Field(0.5, gt=0, description="probe temperature M")
+        delta: float = Field(0.5, ge=0, le=1, description="CCP threshold δ (eq. 9)",
+                             json_schema_extra=float_range(0.1, 0.9))
+        temperature: float = Field(0.5, gt=0, description="probe temperature M",
+                                   json_schema_extra=float_range(0.1, 2.0, log=True))
         peer_temperature: float | None = Field(None, gt=0, description="peers' temperature; None = M [paper], code 1.0")
         probe: Literal["random", "prototypes"] = "random"
         probe_scale: float = Field(1.0, gt=0, description="probe ~ U[0, scale): 1.0 paper, 0.5 code")

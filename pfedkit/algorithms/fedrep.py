@@ -15,6 +15,7 @@ from pfedkit.algorithms.fedper import FedPer
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import ClientUpdate, Fit, HyperParams
 from pfedkit.core.params import Params
+from pfedkit.core.search import int_range
 
 
 @register
@@ -24,7 +25,8 @@ class FedRep(FedPer):
     quick_test_options = {"head_epochs": 1}  # (10 head epochs per round by default)
 
     class Hyper(HyperParams):
-        head_epochs: int = Field(10, ge=0, description="tau_h: head epochs per round, body frozen")
+        head_epochs: int = Field(10, ge=0, description="tau_h: head epochs per round, body frozen",
+                                 json_schema_extra=int_range(1, 10))
         body_epochs: int | None = Field(None, ge=0, description="tau_b: body epochs per round, head frozen "
                                         "(None: the config's local_epochs)")
 

@@ -37,6 +37,7 @@ from pfedkit.core.aggregation import MeanOfUploads
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, select
+from pfedkit.core.search import float_range
 
 ABSENT_LOG_COUNT = -1.0e4  # stands for log 0 = -inf: exp(-1e4) underflows to 0, no NaN
 PERSONAL = "personal"      # prefix of the personal head's names in Fit.extra / client state
@@ -119,7 +120,7 @@ class FedRoD(MeanOfUploads, Algorithm):
 
     class Hyper(HyperParams):
         gamma: float = Field(1.0, ge=0, description="balanced-softmax exponent: CE(z + gamma log n_{i,c}, y); "
-                             "0 = plain CE for the generic head")
+                             "0 = plain CE for the generic head", json_schema_extra=float_range(0.0, 2.0))
 
     def check(self) -> None:
         head = select(self.setup.ops.initial_params(), "head")

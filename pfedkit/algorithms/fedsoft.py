@@ -42,6 +42,7 @@ from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_en
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, squared_distance, weighted_mean
 from pfedkit.core.seeds import SERVER, numpy_rng
+from pfedkit.core.search import float_range
 
 INIT_PURPOSE = "fedsoft-init"
 
@@ -138,7 +139,8 @@ class FedSoft(Algorithm):
         num_centres: int = Field(3, ge=1, description="S: number of centre models")
         tau: int = Field(2, ge=1, description="re-estimate importance weights every tau rounds")
         sigma: float = Field(1e-4, gt=0, le=1, description="n_ks of a centre no sample prefers, as a fraction of n_k")
-        lam: float = Field(0.1, ge=0, description="proximal weight lambda of the local objective")
+        lam: float = Field(0.1, ge=0, description="proximal weight lambda of the local objective",
+                           json_schema_extra=float_range(0.01, 1.0, log=True))
         catch_up: bool = Field(False, description="a participant that missed the latest estimation round estimates now")
         selection_size: int | None = Field(
             None, ge=1, description="K clients drawn per centre with probabilities v_s (None: v-weighted mean of all)")

@@ -23,6 +23,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
 from pfedkit.core.seeds import SERVER, numpy_rng
+from pfedkit.core.search import float_range
 
 
 def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:
@@ -37,8 +38,10 @@ class L2GD(Algorithm):
     evaluated_model = "custom"  # the local model, mixed towards the mean on an aggregation round
 
     class Hyper(HyperParams):
-        p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round")
-        theta: float = Field(0.1, ge=0, le=1, description="mixing weight towards the mean (eta*lam/(N p))")
+        p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round",
+                         json_schema_extra=float_range(0.05, 0.5))
+        theta: float = Field(0.1, ge=0, le=1, description="mixing weight towards the mean (eta*lam/(N p))",
+                             json_schema_extra=float_range(0.01, 1.0, log=True))
 
     def aggregating(self, rnd: int) -> bool:
         return rnd >= 1 and is_aggregation_round(self.setup.seed, rnd, self.hyper.p)

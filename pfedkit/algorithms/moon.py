@@ -23,6 +23,7 @@ from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 CHUNK = 1000  # samples per eval-mode forward when computing z_g and z_p (bounded memory)
 
@@ -70,8 +71,10 @@ class MOON(FedAvg):
         The representation is the body output [ours: PFLlib-comparable]; MOON's 2-layer projection
         head (output 256) is not built in (use a model whose body ends with such an MLP).
         """
-        mu: float = Field(1.0, ge=0, description="weight of the model-contrastive term")
-        tau: float = Field(0.5, gt=0, description="temperature of the cosine similarities")
+        mu: float = Field(1.0, ge=0, description="weight of the model-contrastive term",
+                          json_schema_extra=float_range(0.1, 10.0, log=True))
+        tau: float = Field(0.5, gt=0, description="temperature of the cosine similarities",
+                           json_schema_extra=float_range(0.1, 1.0))
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}

@@ -29,6 +29,7 @@ from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Batch, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params
+from pfedkit.core.search import float_range
 
 
 def shifted(params: Params, direction: Params, scale: float) -> Params:
@@ -80,7 +81,8 @@ class PerFedAvg(FedAvg):
                                              "Hessian-free (3 batches, finite-difference Hessian-vector product)")
         alpha: float | None = Field(None, ge=0, description="inner step size alpha, also the evaluation step's "
                                     "lr (None: the config's lr)")
-        beta: float = Field(0.001, ge=0, description="outer (meta) step size beta")
+        beta: float = Field(0.001, ge=0, description="outer (meta) step size beta",
+                            json_schema_extra=float_range(0.0001, 0.01, log=True))
         delta: float = Field(0.001, gt=0, description="finite-difference step of the HF variant")
 
     def local_fit(self, message: Message) -> Fit:

@@ -56,6 +56,7 @@ from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forw
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.core.seeds import derive_seed
+from pfedkit.core.search import float_range, int_range
 
 GROUPINGS = ("gmm", "kmeans", "agglomerative", "fixed")
 NORMALISATIONS = ("l2", "none")
@@ -344,8 +345,10 @@ class PFedCS(Algorithm):
             classifier (stage 2 then equals FedPer exactly).
         """
         beta: int = Field(100, ge=0, description="stage-1 rounds (then FedPer)")
-        dca_lambda: float = Field(0.5, ge=0, le=1, description="DCA balance lambda (eq. 7)")
-        rho: int = Field(1, ge=0, description="fine-tuning epochs of the customised classifier")
+        dca_lambda: float = Field(0.5, ge=0, le=1, description="DCA balance lambda (eq. 7)",
+                                  json_schema_extra=float_range(0.1, 0.9))
+        rho: int = Field(1, ge=0, description="fine-tuning epochs of the customised classifier",
+                         json_schema_extra=int_range(1, 5))
         finetune_lr: PositiveFloat | None = Field(None, description="eta_v; None = the run's lr")
         grouping: Literal["gmm", "kmeans", "agglomerative", "fixed"] = Field("gmm", description="candidate grouping")
         fixed_threshold: float = Field(0.5, ge=0, description="threshold of grouping='fixed'")

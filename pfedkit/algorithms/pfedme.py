@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
+from pfedkit.core.search import choices, float_range
 
 LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
 
@@ -56,11 +57,13 @@ class PFedMe(Algorithm):
     evaluated_model = "own"
 
     class Hyper(HyperParams):
-        lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i")
+        lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i",
+                           json_schema_extra=float_range(1.0, 30.0, log=True))
         inner_steps: int = Field(5, ge=1, description="K: gradient steps of the inner (personalised) problem per batch")
-        personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps")
+        personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps",
+                                   json_schema_extra=float_range(0.001, 0.1, log=True))
         beta: float = Field(1.0, ge=0, description="server mixing: w <- (1 - beta) w + beta mean_i w_i "
-                            "(the paper also uses 2)")
+                            "(the paper also uses 2)", json_schema_extra=choices(1.0, 2.0))
         mu: float = Field(0.001, ge=0, description="L2 term mu theta in the inner steps")
 
         @field_validator("beta")

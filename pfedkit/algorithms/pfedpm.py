@@ -58,6 +58,7 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
 from pfedkit.core.params import Params, clone
 from pfedkit.core.seeds import SERVER, derive_seed
+from pfedkit.core.search import float_range
 from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
 
 UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
@@ -196,7 +197,8 @@ class PFedPM(PrototypeExchange, Algorithm):
            client's training data after training [ours]; "training_passes" (FedProto's code:
            features produced during the training passes) needs engine support and is refused.
         """
-        a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)")
+        a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)",
+                         json_schema_extra=float_range(0.0, 1.0))
         prototype_source: Literal["eval_pass", "training_passes"] = Field(
             "eval_pass", description="how local features are computed (training_passes: not available)")
 
@@ -258,7 +260,8 @@ class RPFedPM(PFedPM):
             "joint", description="joint: body, head and relation module in one SGD (paper: both heads share "
             "the body); alternate: body + head with the relation module fixed, then the module alone")
         relation_weight: float = Field(1.0, gt=0, description="weight of the relation loss (eq. 13); > 0, "
-                                       "else the relation head that predicts never learns")
+                                       "else the relation head that predicts never learns",
+                                       json_schema_extra=float_range(0.1, 10.0, log=True))
         relation_detach_body: bool = Field(False, description="keep the relation loss's gradient out of the body")
         relation_epochs: int | None = Field(None, ge=1, description="relation_training=alternate: epochs of the "
                                             "relation module's own Fit (None: local_epochs)")

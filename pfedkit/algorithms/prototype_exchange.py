@@ -35,6 +35,7 @@ from pfedkit.algorithms.prototypes import FeatureTable, class_means, message_to_
 from pfedkit.core.contract import ClientData, Forward, HyperParams, Message, cross_entropy
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512  # samples per forward when computing local features (memory bound only)
 
@@ -63,7 +64,8 @@ class PrototypeOptions(HyperParams):
        "class_distance" = sum over the batch's classes of ||batch class mean - target_c||^2
        (pFedPM eq. 11, FedProto's L_R as printed) [paper].
     """
-    lam: float = Field(1.0, ge=0, description="weight of the feature (prototype) regulariser (pFedPM eq. 9's lambda)")
+    lam: float = Field(1.0, ge=0, description="weight of the feature (prototype) regulariser (pFedPM eq. 9's lambda)",
+                       json_schema_extra=float_range(0.1, 10.0, log=True))
     global_feature_weighting: GlobalFeatureWeighting = global_feature_weighting("count")
     regulariser: Literal["sample_mse", "class_distance"] = Field(
         "sample_mse", description="per-sample MSE to the target feature of the sample's class (FedProto's code) "

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pfedkit.atomic import atomic_write_json, atomic_write_text
 from pfedkit.config import Config, deep_merge, load_config, parse_yaml, read_yaml_file
 from pfedkit.core.errors import ConfigError, ConfigWarning
+from pfedkit.core.search import declared_ranges
 from pfedkit.run_identity import changed_keys, describe_changes, flatten, identity
 
 SPACES_FILE = "tuning_spaces.yaml"
@@ -53,6 +54,9 @@ DEFAULT_VALIDATION_FRACTION = 0.2
 STUDY_DB, STATE, TRIALS_CSV, BEST, BEST_CONFIG, LOCK = (
     "study.db", "tuning.json", "trials.csv", "best.yaml", "best_config.yaml", ".lock")
 PRUNER_STARTUP_TRIALS = 5  # no pruning before this many trials finished: the median needs a few
+# What every algorithm is tuned on; an algorithm's own options declare their ranges themselves
+# (`pfedkit.core.search`, on the fields of its Hyper).
+COMMON_SPACE: dict[str, dict[str, Any]] = {"lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True}}
 
 
 class ParamSpec(BaseModel):
@@ -105,8 +109,6 @@ Space = dict[str, ParamSpec]
 def read_spaces(path: str | Path | None = None) -> dict[str, Space]:
     """The search spaces by section (`common` and algorithm names): the shipped file, or `path`
     instead. ConfigError (one line) for anything malformed."""
-    from pfedkit.algorithms import algorithm_names
-
     where = f"--space {path}" if path is not None else f"shipped {SPACES_FILE}"
     if path is None:
         data = parse_yaml(resources.files("pfedkit.experiments").joinpath(SPACES_FILE).read_text()) or {}
@@ -115,6 +117,30 @@ def read_spaces(path: str | Path | None = None) -> dict[str, Space]:
             raise ConfigError(f"--space {path}: no such file; expected a YAML search-space file like pfedkit's "
                               f"{SPACES_FILE} (see docs/tuning.md)")
         data = read_yaml_file(Path(path), where) or {}
+    return parse_spaces(data, where)
+
+
+def shipped_spaces() -> dict[str, Space]:
+    """The shipped search spaces: `common` (COMMON_SPACE) and, for each algorithm, the ranges
+    declared on its options (`pfedkit.core.search`). An algorithm without options gets an empty
+    section (nothing of its own to tune); one whose options declare no range gets none, so
+    `space_for` says that only the common parameters are tuned."""
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+
+    data: dict[str, Any] = {COMMON: COMMON_SPACE}
+    for name in algorithm_names():
+        hyper = get_algorithm(name).Hyper
+        ranges = declared_ranges(hyper)
+        if ranges or not hyper.model_fields:
+            data[name] = {f"{name}.{option}": spec for option, spec in ranges.items()}
+    return parse_spaces(data, "the search ranges declared on the algorithms' options")
+
+
+def parse_spaces(data: Any, where: str) -> dict[str, Space]:
+    """Sections of parameter specs (`common`, algorithm names) checked and parsed; ConfigError
+    (one line, starting with `where`) for anything malformed."""
+    from pfedkit.algorithms import algorithm_names
+
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of sections ({COMMON}, or an algorithm name) at the top level")
     names = algorithm_names()
