@@ -48,3 +48,13 @@ def declared_ranges(hyper: type[BaseModel]) -> dict[str, dict[str, Any]]:
         if isinstance(extra, dict) and SEARCH in extra:
             ranges[name] = dict(extra[SEARCH])
     return ranges
+
+
+def range_in_words(spec: dict[str, Any]) -> str:
+    """A range as `pfedkit list` shows it: "[0.0001, 1] log", "1..10", "{1, 2}"."""
+    if spec["type"] == "categorical":
+        return "{" + ", ".join(f"{value:g}" if isinstance(value, float) else str(value)
+                               for value in spec["choices"]) + "}"
+    low, high = spec["low"], spec["high"]
+    words = f"{low}..{high}" if spec["type"] == "int" else f"[{low:g}, {high:g}]"
+    return words + (" log" if spec.get("log") else "") + (f" step {spec['step']:g}" if spec.get("step") else "")
