@@ -12,9 +12,11 @@ import torch
 import dp_accounting
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from conftest import quick_options, refusal
 from torch import nn
 
 import pfedkit
+from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
 from pfedkit.core.aggregation import SampleWeightedMean
@@ -321,20 +323,32 @@ def test_prv_accountant_matches_opacus_prv():
 
 # --- refusals and config ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["local", "fedamp", "ifca"])
-def test_client_dp_refuses_algorithms_that_do_not_average_updates(equal_clients, algorithm, tmp_path):
-    with pytest.raises(ConfigError) as err:
-        pfedkit.run({**equal_clients, "algorithm": algorithm, "dp": {"level": "client"}})
-    message = str(err.value)
-    assert "\n" not in message and f"algorithm {algorithm}" in message and "fedavg" in message
-    assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_client_dp_attaches_or_refuses_in_one_line(equal_clients, algorithm, tmp_path):
+    """Client-level DP either refuses the method before any run directory, in one line naming it and
+    the methods it applies to, or runs it through DP's mean: with an unreachable clip and no noise
+    that is the plain run (equal n_i: the uniform mean is the n_i-weighted one), with a tiny clip
+    the server barely moves, so the numbers change. Which of the two: the method's aggregation
+    (`MeanOfUploads`, `aggregates_by_mean`)."""
+    config = {**equal_clients, "algorithm": algorithm, **quick_options(algorithm)}
+    loose = {**config, "name": "loose", "dp": {"level": "client", "clip": 1e30, "noise_multiplier": 0.0}}
+    if not aggregates_by_mean(get_algorithm(algorithm)):
+        message = refusal(pfedkit.run, loose)
+        assert f"algorithm {algorithm}" in message and "allowed with: " in message and "fedavg" in message
+        assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+        return
+    plain = pd.read_csv(pfedkit.run({**config, "name": "plain"}).run_dir / "metrics.csv")
+    private = pd.read_csv(pfedkit.run(loose).run_dir / "metrics.csv")
+    assert np.isinf(private["epsilon"]).all() and plain.equals(private.drop(columns="epsilon"))
+    tight = pfedkit.run({**loose, "name": "tight", "dp": {**loose["dp"], "clip": 1e-6}})
+    assert not np.array_equal(tight.metrics["loss"].dropna(), plain["loss"].dropna())
 
 
 def test_client_dp_applies_exactly_to_the_algorithms_declaring_the_mean_of_uploads():
-    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`,
-    docs/privacy.md's list), and not a subclass that aggregates otherwise."""
-    assert mean_algorithms() == ["apfl", "ditto", "fedavg", "fedbabu", "fedper", "fedprox", "fedrep", "fedrod",
-                                 "feduv", "lg_fedavg", "moon", "perfedavg"]
+    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`),
+    and not a subclass that aggregates otherwise (each registered method: the test above)."""
+    assert {"fedavg", "fedprox", "fedper", "fedbabu"} <= set(mean_algorithms())
+    assert not {"local", "fedamp", "ifca"} & set(mean_algorithms())
 
     class Halved(FedAvg):
         def aggregate(self, rnd, server, replies):
