@@ -280,7 +280,8 @@ class Algorithm:
     evaluated_model: ClassVar[EvaluatedModel | None] = None
     # Options (fields of `Hyper`) that keep the generic tests' short runs on the embedded digits set
     # fast without leaving out a code path (fewer head epochs, a shorter server loop): e.g. FedRep's
-    # {"head_epochs": 1}. The tests use them in every run they make of the method; {}: the defaults.
+    # {"head_epochs": 1}. The generic tests (every backend, evaluated model, resume, new clients,
+    # DP, figures: tests/conftest.py `quick_options`) run the method with them; {}: its defaults.
     quick_test_options: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, hyper: HyperParams, setup: Setup) -> None:
