@@ -47,6 +47,15 @@ def needs_dataset(name: str):
                               reason=f"../shared/datasets/{name} not present")
 
 
+def quick_options(algorithm: str) -> dict:
+    """`algorithm`'s config section of its `quick_test_options` (short test runs through the same
+    code paths), {} when it declares none: add it to every config a generic test runs."""
+    from pfedkit.algorithms import get_algorithm
+
+    options = get_algorithm(algorithm).quick_test_options
+    return {algorithm: dict(options)} if options else {}
+
+
 def interrupt_and_resume(config: dict, tmp_path, monkeypatch, after_round: int = 2):
     """Run `config` uninterrupted, then again with a crash after `after_round` rounds, then resume
     the crashed run. Returns (uninterrupted result, crashed run directory, rounds done before the

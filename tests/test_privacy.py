@@ -12,6 +12,7 @@ import torch
 import dp_accounting
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from conftest import quick_options, refusal
 from torch import nn
 
 import pfedkit
@@ -19,7 +20,7 @@ from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
 from pfedkit.core.aggregation import MeanOfUploads, SampleWeightedMean
-from pfedkit.core.contract import NoHyper, Setup
+from pfedkit.core.contract import HyperParams, Setup
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
@@ -119,7 +120,7 @@ def test_client_dp_ignores_sample_size_weights():
     """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the round's
     aggregation client-level DP gives FedAvg is the uniform mean of the (unclipped) uploads."""
     counts = np.array([[10], [90]])
-    algo = FedAvg(NoHyper(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
+    algo = FedAvg(HyperParams(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
     private = ClientDPAggregation(ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0), algo)
     reference = model_params(0)
     uploads = {cid: {n: reference[n] + 0.01 * t for n, t in model_params(cid + 5).items()} for cid in (0, 1)}
@@ -324,31 +325,33 @@ def test_prv_accountant_matches_opacus_prv():
 # --- refusals and config ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", algorithm_names())
-def test_client_dp_wraps_every_mean_of_uploads_algorithm_and_refuses_the_others(equal_clients, algorithm, tmp_path):
-    """Every registered algorithm: a `MeanOfUploads` one runs with the noised mean (the round's
-    clipping diagnostics exist, so `ClientDPMean` aggregated it), any other is refused before a run
-    directory stays, in one line naming it and the allowed ones."""
-    config = {**equal_clients, "algorithm": algorithm, "rounds": 1,
-              "dp": {"level": "client", "clip": 1.0, "noise_multiplier": 0.5}}
-    if issubclass(get_algorithm(algorithm), MeanOfUploads):
-        result = pfedkit.run(config)
-        diagnostics = read_diagnostics(result.run_dir / "diagnostics.pt")
-        assert set(diagnostics["dp_clipped_fraction"]) == set(diagnostics["dp_update_norm_median"]) == {1}
-        assert math.isfinite(diagnostics["dp_update_norm_median"][1]) and result.summary["dp_level"] == "client"
+def test_client_dp_attaches_or_refuses_in_one_line(equal_clients, algorithm, tmp_path):
+    """Client-level DP either refuses the method before any run directory, in one line naming it and
+    the methods it applies to, or runs it through DP's mean: with an unreachable clip and no noise
+    that is the plain run (equal n_i: the uniform mean is the n_i-weighted one), with a tiny clip
+    the server barely moves, so the numbers change, and the round's clipping diagnostics exist.
+    Which of the two: the method's aggregation (`MeanOfUploads`)."""
+    config = {**equal_clients, "algorithm": algorithm, **quick_options(algorithm)}
+    loose = {**config, "name": "loose", "dp": {"level": "client", "clip": 1e30, "noise_multiplier": 0.0}}
+    if not issubclass(get_algorithm(algorithm), MeanOfUploads):
+        message = refusal(pfedkit.run, loose)
+        assert f"algorithm {algorithm} " in message and message.endswith(f"allowed with: {', '.join(mean_algorithms())}")
+        assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
         return
-    with pytest.raises(ConfigError) as err:
-        pfedkit.run(config)
-    message = str(err.value)
-    assert "\n" not in message and f"algorithm {algorithm} " in message
-    assert message.endswith(f"allowed with: {', '.join(mean_algorithms())}")
-    assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+    plain = pd.read_csv(pfedkit.run({**config, "name": "plain"}).run_dir / "metrics.csv")
+    private = pd.read_csv(pfedkit.run(loose).run_dir / "metrics.csv")
+    assert np.isinf(private["epsilon"]).all() and plain.equals(private.drop(columns="epsilon"))
+    tight = pfedkit.run({**loose, "name": "tight", "dp": {**loose["dp"], "clip": 1e-6}})
+    assert not np.array_equal(tight.metrics["loss"].dropna(), plain["loss"].dropna())
+    diagnostics = read_diagnostics(tight.run_dir / "diagnostics.pt")
+    assert set(diagnostics["dp_clipped_fraction"]) == set(range(1, config["rounds"] + 1))
 
 
 def test_client_dp_applies_exactly_to_the_algorithms_declaring_the_mean_of_uploads():
-    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`,
-    docs/privacy.md's list); a subclass aggregating otherwise cannot be one (tests/test_speed_paths.py)."""
-    assert mean_algorithms() == ["apfl", "ditto", "fedavg", "fedbabu", "fedper", "fedprox", "fedrep", "fedrod",
-                                 "feduv", "lg_fedavg", "moon", "perfedavg"]
+    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`); a
+    subclass cannot aggregate otherwise (tests/test_speed_paths.py)."""
+    assert {"fedavg", "fedprox", "fedper", "fedbabu"} <= set(mean_algorithms())
+    assert not {"local", "fedamp", "ifca"} & set(mean_algorithms())
 
 
 @pytest.mark.parametrize("override, key", [("dp.level=both", "dp.level"), ("dp.clip=0", "dp.clip"),
