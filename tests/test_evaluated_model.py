@@ -446,6 +446,23 @@ def cwfedavg(parts: Parts, cid: int) -> Expected:
     return Expected({**shared, **personalised_model(parts.server["class_wise"], mixing)})
 
 
+def qffl(parts: Parts, cid: int) -> Expected:
+    """q-FedAvg's step from the downloaded w: w - sum_k F_k^q L (w - w_k) / sum_k (q F_k^{q-1} L^2 ||w - w_k||^2
+    + L F_k^q), w_k the trained models, F_k (+1e-10) the losses the server recorded, uniform over clients."""
+    hyper, losses = parts.algorithm.hyper, parts.diagnostic("qffl_loss")
+    w = {name: value.double() for name, value in parts.download(cid)["params"].items()}
+    numerator, denominator = {name: torch.zeros_like(value) for name, value in w.items()}, 0.0
+    for j in range(NUM_CLIENTS):
+        f = losses[j] + 1e-10
+        trained = model_only(parts.trained(j, -1))
+        gap = {name: hyper.lipschitz * (w[name] - trained[name].double()) for name in w}
+        for name in w:
+            numerator[name] += f ** hyper.q * gap[name]
+        squared = sum(float((value ** 2).sum()) for value in gap.values())
+        denominator += hyper.q * f ** (hyper.q - 1) * squared + hyper.lipschitz * f ** hyper.q
+    return Expected({name: (w[name] - numerator[name] / denominator).float() for name in w})
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -513,6 +530,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
+    "qffl": Rule(qffl, True),
 }
 
 

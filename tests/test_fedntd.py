@@ -42,12 +42,11 @@ def test_not_true_distillation_matches_a_hand_computation():
         q = softmax([v for c, v in enumerate(row) if c != label], tau)
         g = softmax([v for c, v in enumerate(t_row) if c != label], tau)
         by_hand += tau ** 2 * sum(gc * math.log(gc / qc) for gc, qc in zip(g, q))
-    value = not_true_distillation(torch.tensor(local, dtype=torch.float64), torch.tensor(teacher, dtype=torch.float64),
-                                  torch.tensor(y), tau)
+    local_logits, teacher_logits = torch.tensor(local, dtype=torch.float64), torch.tensor(teacher, dtype=torch.float64)
+    value = not_true_distillation(local_logits, teacher_logits, torch.tensor(y), tau)
     assert value.item() == pytest.approx(by_hand / 2, rel=1e-12)
     # the direction matters: KL(teacher || local), not KL(local || teacher)
-    swapped = not_true_distillation(torch.tensor(teacher, dtype=torch.float64), torch.tensor(local, dtype=torch.float64),
-                                    torch.tensor(y), tau)
+    swapped = not_true_distillation(teacher_logits, local_logits, torch.tensor(y), tau)
     assert swapped.item() != pytest.approx(value.item(), rel=1e-3)
 
 
@@ -77,7 +76,8 @@ def test_ntd_loss_reads_the_global_logits_at_the_batch_positions():
     first_rows = F.cross_entropy(out.logits, y) + 2.0 * not_true_distillation(
         out.logits, context["global_logits"][:3], y, 1.0)
     assert loss.item() != pytest.approx(first_rows.item(), rel=1e-3)
-    assert ntd_loss(out, y, {}, context, beta=0.0, tau=1.0).item() == pytest.approx(F.cross_entropy(out.logits, y).item())
+    plain = F.cross_entropy(out.logits, y).item()
+    assert ntd_loss(out, y, {}, context, beta=0.0, tau=1.0).item() == pytest.approx(plain)
 
 
 def test_the_fit_gets_the_received_models_logits_of_every_training_sample(tmp_path):

@@ -46,7 +46,8 @@ def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logits.gather(1, positions)
 
 
-def not_true_distillation(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
+def not_true_distillation(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
+                          tau: float) -> torch.Tensor:
     """L_NTD = tau^2 KL(q~^g || q~) over the not-true classes, mean over the batch."""
     local = F.log_softmax(not_true_logits(logits, y) / tau, dim=1)
     teacher = F.log_softmax(not_true_logits(global_logits, y) / tau, dim=1)
