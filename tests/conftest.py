@@ -99,6 +99,21 @@ def learned_run(config: dict):
     return result, metrics, final_state(result)
 
 
+def switched_off_is_fedavg(config: dict, algorithm: str, off: dict, out_dir) -> tuple:
+    """Run FedAvg and `algorithm` with the options `off` that switch its change off (FedLC tau = 0,
+    FedRS alpha = 1...) on `config`, check that every metric of the two runs is the same to the bit,
+    then run `algorithm` at its defaults and check it learned (`learned_run`): (FedAvg's result,
+    the default run's result), to compare the two."""
+    import pfedkit
+
+    columns = ["round", "client", "accuracy", "loss", "train_loss", "bytes_up", "bytes_down"]
+    fedavg = pfedkit.run({**config, "algorithm": "fedavg", "out_dir": str(out_dir / "fedavg")})
+    plain = pfedkit.run({**config, "algorithm": algorithm, algorithm: off, "out_dir": str(out_dir / "off")})
+    pd.testing.assert_frame_equal(plain.metrics[columns], fedavg.metrics[columns])
+    result, _, _ = learned_run({**config, "algorithm": algorithm, "out_dir": str(out_dir / algorithm)})
+    return fedavg, result
+
+
 def refusal(call, *args) -> str:
     """The message of the ConfigError that `call(*args)` raises, checked to be one line."""
     from pfedkit.core.errors import ConfigError

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import math
 
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import switched_off_is_fedavg
 
-import pfedkit
 from pfedkit.algorithms.fedntd import not_true_distillation, not_true_logits, ntd_loss
 from pfedkit.config import load_config
 from pfedkit.core.contract import Forward
 from pfedkit.runs import prepare
 
-COLUMNS = ["round", "client", "accuracy", "loss", "bytes_up", "bytes_down"]
 CONFIG = {"dataset": "digits", "num_clients": 4, "rounds": 3, "threads": 1, "batch_size": 20, "lr": 0.05,
           "seed": 3, "partition": {"scheme": "dirichlet", "alpha": 0.5}}
 
@@ -96,9 +94,5 @@ def test_the_fit_gets_the_received_models_logits_of_every_training_sample(tmp_pa
 
 
 def test_beta_zero_gives_fedavg_metrics_exactly_and_the_default_learns(tmp_path):
-    fedavg = pfedkit.run({**CONFIG, "algorithm": "fedavg", "out_dir": str(tmp_path / "fedavg")})
-    plain = pfedkit.run({**CONFIG, "algorithm": "fedntd", "fedntd": {"beta": 0.0}, "out_dir": str(tmp_path / "zero")})
-    pd.testing.assert_frame_equal(plain.metrics[COLUMNS], fedavg.metrics[COLUMNS])
-    fedntd = pfedkit.run({**CONFIG, "algorithm": "fedntd", "out_dir": str(tmp_path / "fedntd")})
-    assert fedntd.metrics[fedntd.metrics["round"] == CONFIG["rounds"]]["accuracy"].mean() > 0.3
+    fedavg, fedntd = switched_off_is_fedavg(CONFIG, "fedntd", {"beta": 0.0}, tmp_path)
     assert not fedntd.metrics["accuracy"].equals(fedavg.metrics["accuracy"])
