@@ -1,4 +1,4 @@
-"""FedNTD (Lee, Jeong, Shin, Yun, NeurIPS 2022): FedAvg whose local loss distils the received
+"""FedNTD (Lee, Jeong, Shin, Bae, Yun, NeurIPS 2022): FedAvg whose local loss distils the received
 global model's knowledge of the not-true classes, to keep what the client's data cannot refresh.
 
 For a sample of class y with local logits z and the received global model's logits z^g, the

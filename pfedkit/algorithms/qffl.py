@@ -1,7 +1,8 @@
 """q-FFL / q-FedAvg (Li, Sanjabi, Beirami, Smith, ICLR 2020, "Fair Resource Allocation in Federated
-Learning"): minimise sum_k F_k^{q+1} / (q + 1), which weighs clients with a high loss more.
+Learning"): minimise f_q(w) = sum_k p_k F_k(w)^{q+1} / (q + 1), which weighs clients with a high
+loss more (q = 0: the usual objective).
 
-Round t, participant k (Algorithm 2, q-FedAvg):
+Round t, participant k (the paper's q-FedAvg; its algorithm and equation numbers not checked here):
   F_k = F_k(w^t): the mean cross-entropy of the received model on the client's whole training set
       (the official code: "loss on the whole training data, with respect to the global model"),
       eval mode, computed before training;
