@@ -317,6 +317,14 @@ def fedbabu(parts: Parts, cid: int) -> Expected:
     return Expected(params, adapt=Fit(params, trainable=h.finetune_part, epochs=h.finetune_epochs))
 
 
+def fedavgft(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), fine-tuned finetune_steps mini-batches (or
+    finetune_epochs epochs when set) at finetune_lr."""
+    params, h = averaged(parts), parts.algorithm.hyper
+    length = {"steps": h.finetune_steps} if h.finetune_epochs is None else {"epochs": h.finetune_epochs}
+    return Expected(params, adapt=Fit(params, trainable=h.finetune_part, lr=h.finetune_lr, **length))
+
+
 def fedrod(parts: Parts, cid: int) -> Expected:
     """Global body + (generic head + the personal head of the last Fit): W_G + W_P, b_G + b_P."""
     params, trained = averaged(parts), parts.trained(cid, -1)
@@ -509,6 +517,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "cfl": Rule(cfl, True),
     "ifca": Rule(ifca, True), "fedpfa": Rule(fedpfa, True), "l2gd": Rule(l2gd, False),
     "ditto": Rule(ditto, False, ditto_wrong), "apfl": Rule(apfl, False), "fedbabu": Rule(fedbabu, True),
+    "fedavgft": Rule(fedavgft, True),
     "fedrod": Rule(fedrod, True), "fedgh": Rule(fedgh, False), "fedpac": Rule(fedpac, True),
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
