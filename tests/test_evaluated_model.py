@@ -375,6 +375,14 @@ def creff(parts: Parts, cid: int) -> Expected:
     return Expected(merge(averaged(parts), parts.server["head_re"]))
 
 
+def ccvr(parts: Parts, cid: int) -> Expected:
+    """The body of the model the client downloaded in the last round (the aggregate of the round
+    before) with the classifier the server calibrated in the last round (before any calibration:
+    the server's model's)."""
+    calibrated = parts.server.get("calibrated", parts.server["params"])
+    return Expected(merge(select(parts.download(cid)["params"], "body"), select(calibrated, "head")))
+
+
 def cfl(parts: Parts, cid: int) -> Expected:
     """The model of the client's cluster (server state: splits and cluster means are server math)."""
     return Expected(parts.server["models"][int(parts.server["membership"][cid])])
@@ -485,6 +493,14 @@ def fedbn_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the averaged BatchNorm layers (FedAvg's model)": lambda cid: global_model(parts, cid)}
 
 
+def ccvr_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    calibrated = select(parts.server["calibrated"], "head")
+    return {"the last aggregate, uncalibrated (FedAvg's model)": lambda cid: global_model(parts, cid),
+            "the last aggregate's body with the calibrated classifier":
+            lambda cid: Expected(merge(averaged(parts, "body"), calibrated)),
+            "the downloaded model, uncalibrated": lambda cid: Expected(parts.download(cid)["params"])}
+
+
 def ditto_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the global model instead of the personal one": lambda cid: Expected(parts.server["params"])}
 
@@ -540,7 +556,7 @@ STANDARD_RULES: dict[str, Rule] = {
 }
 # The methods declaring evaluated_model = "custom", each with its own rule.
 CUSTOM_RULES: dict[str, Rule] = {
-    "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "cfl": Rule(cfl, True),
+    "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "ccvr": Rule(ccvr, True, ccvr_wrong), "cfl": Rule(cfl, True),
     "ifca": Rule(ifca, True), "fedpfa": Rule(fedpfa, True), "l2gd": Rule(l2gd, False),
     "ditto": Rule(ditto, False, ditto_wrong), "apfl": Rule(apfl, False), "fedbabu": Rule(fedbabu, True),
     "fedavgft": Rule(fedavgft, True), "fedbn": Rule(fedbn, True, fedbn_wrong),
