@@ -71,6 +71,16 @@ class DigitsConvNet(BodyHeadModel):
         super().__init__(layers, head_start(head, self.HEAD_SPLITS, "digits_conv"))
 
 
+class DigitsBatchNormNet(BodyHeadModel):
+    """The digits features through a hidden layer with BatchNorm (FedBN's local layers)."""
+    HEAD_SPLITS = {"last": "fc"}
+
+    def __init__(self, input_shape, num_classes: int, head: str = "last"):
+        layers = [("fc1", nn.Linear(64, 32)), ("bn1", nn.BatchNorm1d(32)), ("relu1", nn.ReLU()),
+                  ("fc", nn.Linear(32, num_classes))]
+        super().__init__(layers, head_start(head, self.HEAD_SPLITS, "digits_bn"))
+
+
 # (algorithm, config changes): every algorithm on the digits mlp, and a few seed-method settings
 # the default run does not reach.
 CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
@@ -82,6 +92,7 @@ CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
     *([pytest.param("rpfedpm", {"rpfedpm": {"relation_training": "alternate"}}, id="rpfedpm-alternate")]
       if "relation_training" in get_algorithm("rpfedpm").Hyper.model_fields else []),
     pytest.param("cwfedavg", {"cwfedavg": {"mix_on": "client"}}, id="cwfedavg-mix-on-client"),
+    pytest.param("fedbn", {"model": "digits_bn"}, id="fedbn-batchnorm"),
 ]
 
 
@@ -106,6 +117,7 @@ def recorded_run(algorithm: str, tmp_path, monkeypatch, changes: dict) -> tuple:
     """Run `algorithm` for ROUNDS rounds with every seam recorded -> (Recording, Result)."""
     rec = Recording()
     monkeypatch.setitem(MODELS, "digits_conv", ModelInfo("digits_conv", DigitsConvNet, "test model"))
+    monkeypatch.setitem(MODELS, "digits_bn", ModelInfo("digits_bn", DigitsBatchNormNet, "test model"))
     patch_simulation(monkeypatch, rec)
     patch_trainer(monkeypatch, rec)
     patch_evaluation(monkeypatch, rec)
@@ -317,6 +329,24 @@ def fedbabu(parts: Parts, cid: int) -> Expected:
     return Expected(params, adapt=Fit(params, trainable=h.finetune_part, epochs=h.finetune_epochs))
 
 
+def fedavgft(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), fine-tuned finetune_steps mini-batches (or
+    finetune_epochs epochs when set) at finetune_lr."""
+    params, h = averaged(parts), parts.algorithm.hyper
+    length = {"steps": h.finetune_steps} if h.finetune_epochs is None else {"epochs": h.finetune_epochs}
+    return Expected(params, adapt=Fit(params, trainable=h.finetune_part, lr=h.finetune_lr, **length))
+
+
+def fedbn(parts: Parts, cid: int) -> Expected:
+    """The mean of the trained models except the BatchNorm layers' weights and biases (found by
+    module type in the run's model), which are the client's own from its last Fit."""
+    template = parts.algorithm.setup.ops.template
+    local = {f"{layer_name}.{name}" for layer_name, layer in template.named_modules()
+             if isinstance(layer, nn.modules.batchnorm._BatchNorm) for name, _ in layer.named_parameters()}
+    own, mean = model_only(parts.trained(cid, -1)), averaged(parts)
+    return Expected({name: own[name] if name in local else value for name, value in mean.items()})
+
+
 def fedrod(parts: Parts, cid: int) -> Expected:
     """Global body + (generic head + the personal head of the last Fit): W_G + W_P, b_G + b_P."""
     params, trained = averaged(parts), parts.trained(cid, -1)
@@ -343,6 +373,14 @@ def fedgh(parts: Parts, cid: int) -> Expected:
 def creff(parts: Parts, cid: int) -> Expected:
     """FedAvg of the trained models with the server's re-trained classifier phi_re as head."""
     return Expected(merge(averaged(parts), parts.server["head_re"]))
+
+
+def ccvr(parts: Parts, cid: int) -> Expected:
+    """The body of the model the client downloaded in the last round (the aggregate of the round
+    before) with the classifier the server calibrated in the last round (before any calibration:
+    the server's model's)."""
+    calibrated = parts.server.get("calibrated", parts.server["params"])
+    return Expected(merge(select(parts.download(cid)["params"], "body"), select(calibrated, "head")))
 
 
 def cfl(parts: Parts, cid: int) -> Expected:
@@ -468,6 +506,18 @@ def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
 
 
+def fedbn_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the averaged BatchNorm layers (FedAvg's model)": lambda cid: global_model(parts, cid)}
+
+
+def ccvr_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    calibrated = select(parts.server["calibrated"], "head")
+    return {"the last aggregate, uncalibrated (FedAvg's model)": lambda cid: global_model(parts, cid),
+            "the last aggregate's body with the calibrated classifier":
+            lambda cid: Expected(merge(averaged(parts, "body"), calibrated)),
+            "the downloaded model, uncalibrated": lambda cid: Expected(parts.download(cid)["params"])}
+
+
 def ditto_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the global model instead of the personal one": lambda cid: Expected(parts.server["params"])}
 
@@ -523,9 +573,10 @@ STANDARD_RULES: dict[str, Rule] = {
 }
 # The methods declaring evaluated_model = "custom", each with its own rule.
 CUSTOM_RULES: dict[str, Rule] = {
-    "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "cfl": Rule(cfl, True),
+    "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "ccvr": Rule(ccvr, True, ccvr_wrong), "cfl": Rule(cfl, True),
     "ifca": Rule(ifca, True), "fedpfa": Rule(fedpfa, True), "l2gd": Rule(l2gd, False),
     "ditto": Rule(ditto, False, ditto_wrong), "apfl": Rule(apfl, False), "fedbabu": Rule(fedbabu, True),
+    "fedavgft": Rule(fedavgft, True), "fedbn": Rule(fedbn, True, fedbn_wrong),
     "fedrod": Rule(fedrod, True), "fedgh": Rule(fedgh, False), "fedpac": Rule(fedpac, True),
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
