@@ -120,3 +120,35 @@ def test_paired_clients_takes_b_minus_a_per_client_with_its_standard_error(tmp_p
         script.paired(a, fewer)  # another client count
     with pytest.raises(SystemExit, match="no clients.npz"):
         script.paired(a, tmp_path)
+
+
+def test_methods_table_puts_each_settings_seed_means_in_its_column(small_config, tmp_path, capsys):
+    from pfedkit.experiments.comparison import Entry, run_comparison, write_seed_table
+
+    script = load_script("methods_table")
+    quiet = dict(log=lambda _: None)
+    settings = {"mnist-pat2": dict(small_config, partition={"scheme": "pathological", "classes_per_client": 2}),
+                "mnist-dir0.1": small_config}
+    runs = {}
+    for setting, config in settings.items():  # written out of SETTING_ORDER: the table reorders them
+        names = ("fedper", "local", "fedavg") if setting == "mnist-dir0.1" else ("fedavg",)
+        records = run_comparison(tmp_path / setting, [Entry(n, {**config, "algorithm": n}) for n in names],
+                                 [0, 1] if setting == "mnist-dir0.1" else [0], **quiet)
+        write_seed_table(tmp_path / setting, records)
+        runs[setting] = records
+    table = script.markdown(script.read_settings(tmp_path))
+    lines = table.splitlines()
+    assert lines[0] == "| method | seeds | mnist-dir0.1 last5 / best | mnist-pat2 last5 / best |"
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| `fedavg`", "| `local`", "| `fedper`"]  # anchors first
+    fedavg_dir = [r.summary for r in runs["mnist-dir0.1"] if r.entry.label == "fedavg"]
+    last5 = [100 * s["last5_acc"] for s in fedavg_dir]
+    best = [100 * s["best_acc"] for s in fedavg_dir]
+    fedavg_pat = next(r.summary for r in runs["mnist-pat2"] if r.entry.label == "fedavg")
+    assert lines[2] == (f"| `fedavg` | 1/2 | {np.mean(last5):.2f} ± {np.std(last5):.2f} / "
+                        f"{np.mean(best):.2f} ± {np.std(best):.2f} | "
+                        f"{100 * fedavg_pat['last5_acc']:.2f} / {100 * fedavg_pat['best_acc']:.2f} |")
+    assert lines[3].endswith("| - / - |")  # local: not run on mnist-pat2
+    assert script.main([str(tmp_path / "nothing")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert script.main([str(tmp_path / "empty")]) == 2
+    assert "run benchmarks/methods_table.sh first" in capsys.readouterr().err
