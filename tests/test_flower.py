@@ -14,10 +14,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import quick_options
 
 flwr = pytest.importorskip("flwr")
 
 import pfedkit  # noqa: E402
+from pfedkit.algorithms import algorithm_names  # noqa: E402
 from pfedkit.config import load_config  # noqa: E402
 from pfedkit.core.contract import message_bytes  # noqa: E402
 from pfedkit.flower.records import pack, put, take, unpack  # noqa: E402
@@ -153,9 +155,21 @@ def _overrides(algorithm: str, tmp_path: Path, extra: list[str] = ()) -> list[st
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedrema", "dapfl"])
 def test_flower_simulation_gives_the_sequential_metrics_bytes_included(algorithm, tmp_path):
+    _flower_equals_sequential(algorithm, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_every_algorithm_on_flower_gives_the_sequential_metrics(algorithm, tmp_path):
+    """Every registered method on a Flower simulation, message by message, to the bit (slow: ~70 runs)."""
+    quick = [f"{algorithm}.{key}={value}" for key, value in quick_options(algorithm).get(algorithm, {}).items()]
+    _flower_equals_sequential(algorithm, tmp_path, quick)
+
+
+def _flower_equals_sequential(algorithm: str, tmp_path: Path, extra: list[str] = ()) -> None:
     from pfedkit.flower.app import simulate
 
-    overrides = _overrides(algorithm, tmp_path)
+    overrides = _overrides(algorithm, tmp_path, extra)
     reference = pfedkit.run(None, overrides + ["backend=sequential", "name=seq"])
     flower_run = simulate(load_config(None, overrides + ["name=flower"]))
     pd.testing.assert_frame_equal(flower_run.metrics, reference.metrics, check_exact=True)
