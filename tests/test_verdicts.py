@@ -102,3 +102,45 @@ def test_summary_records_each_clients_accuracy(small_config):
     paired = run_accuracy(summary, "best_acc")
     assert paired.client_acc is not None and paired.n_test is not None
     assert difference({0: paired}, {0: paired}, weighted=True).diff == 0
+
+
+def test_paper_md_sets_every_row_against_the_papers_method_with_ties():
+    """`pfedkit reproduce`'s paper.md: each row that ran against the paper's method (its first row
+    with the paper's algorithm), ours ± SE (paired here: the summaries carry per-client accuracies),
+    the paper's difference and the order word; the Kendall tau again with noise pairs as ties."""
+    from pathlib import Path
+
+    from pfedkit.experiments.comparison import Entry, RunRecord
+    from pfedkit.experiments.paper_presets import Table, load_paper
+    from pfedkit.experiments.reproduce import Plan, pair_table, paper_markdown, paper_table, with_collapsed_tau
+
+    table = Table(id="1", source="Table 1", caption="test", metric="best_acc", seeds=1, columns=[{"name": "A"}],
+                  rows=[{"method": "FedAvg", "algorithm": "fedavg", "paper": [90.0]},
+                        {"method": "Near", "algorithm": "local", "paper": [96.0]},
+                        {"method": "Far", "algorithm": "fedprox", "paper": [95.0]},
+                        {"method": "Ours", "algorithm": "fedrema", "paper": [95.5]}])
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.85, 0.99, size=20)
+    counts = [100] * 20
+
+    def record(method: str, shift: np.ndarray) -> RunRecord:
+        accs = base + shift
+        return RunRecord(Entry(method, {}, group="A"), 0, Path("."), {
+            "best_acc": float(np.mean(accs)), "clients": {"n_test": counts, "best_acc": list(accs)}})
+
+    records = [record("Ours", 0 * base), record("FedAvg", np.full(20, -0.05)),
+               record("Near", rng.normal(0.0005, 0.02, size=20)),  # within noise of Ours, paper puts it above
+               record("Far", np.full(20, 0.01) + rng.normal(0, 0.001, size=20))]  # above Ours, paper below
+    pairs = pair_table("fedrema", table, records).set_index("method")
+    assert set(pairs["against"]) == {"Ours"} and set(pairs["se_kind"]) == {"paired per client"}
+    assert pairs.loc["FedAvg", "diff"] == pytest.approx(-5.0) and pairs.loc["FedAvg", "order"] == "as printed"
+    assert pairs.loc["Near", "order"] == "tie" and abs(pairs.loc["Near", "diff"]) < 2 * pairs.loc["Near", "se"]
+    assert pairs.loc["Far", "order"] == "flipped" and pairs.loc["Far", "paper_diff"] == pytest.approx(-0.5)
+    result = with_collapsed_tau(paper_table(table, records), table, records)
+    paper = load_paper("fedrema")
+    text = paper_markdown(Plan(paper, table, "smoke", paper.budgets["smoke"], [], [0]), result,
+                          pair_table("fedrema", table, records))
+    assert "Against Ours" in text and "| Near |" in text and "| tie |" in text and "| flipped |" in text
+    assert "with the pairs inside 2 SE as ties" in text
+    tau, tau_ties = result["kendall_tau"].iloc[0], result["kendall_tau_ties"].iloc[0]
+    assert tau_ties != pytest.approx(tau)  # the Near-Ours flip no longer counts against the order

@@ -186,10 +186,24 @@ def client_test_counts(run_dir: Path, data_dir: str | None = None) -> np.ndarray
     rebuilt from its config.yaml (needs the dataset; `data_dir` overrides the config's)."""
     from pfedkit.config import load_config
     from pfedkit.data.federated import split_indices
-    from pfedkit.federation import config_dataset, split_plan
+    from pfedkit.federation import split_plan
 
     config = load_config(Path(run_dir) / "config.yaml")
     if data_dir is not None:
         config = config.model_copy(update={"data_dir": data_dir})
-    _, test_index = split_indices(split_plan(config), config_dataset(config))
+    _, test_index = split_indices(split_plan(config), _dataset(config.dataset, config.data_dir, config))
     return np.array([len(rows) for rows in test_index], dtype=float)
+
+
+_LOADED: dict[tuple, Any] = {}
+
+
+def _dataset(name: str, data_dir: str | None, config):
+    """config_dataset, loaded once per (dataset, data_dir): a table's runs share it."""
+    from pfedkit.federation import config_dataset
+
+    key = (name, data_dir)
+    if key not in _LOADED:
+        _LOADED.clear()  # one dataset in memory at a time
+        _LOADED[key] = config_dataset(config)
+    return _LOADED[key]
