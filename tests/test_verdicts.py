@@ -144,3 +144,27 @@ def test_paper_md_sets_every_row_against_the_papers_method_with_ties():
     assert "with the pairs inside 2 SE as ties" in text
     tau, tau_ties = result["kendall_tau"].iloc[0], result["kendall_tau_ties"].iloc[0]
     assert tau_ties != pytest.approx(tau)  # the Near-Ours flip no longer counts against the order
+
+
+def test_the_command_line_reads_a_results_folder(tmp_path, capsys):
+    """`python -m pfedkit.experiments.verdicts FOLDER COLUMN METRIC A B`: the runs of two cells of a
+    results folder (named as `pfedkit reproduce` names them), paired where they carry clients."""
+    import json
+
+    from pfedkit.experiments.verdicts import committed_runs, main
+
+    counts = [100] * 4
+    for method, shift in (("FedReMa", 0.0), ("FedPAC (FC head)", 0.01)):
+        for seed in (0, 1):
+            accs = [0.90 + shift, 0.95 + shift, 0.97 + shift + 0.001 * seed, 0.92 + shift]
+            run_dir = tmp_path / f"MNIST-{method.replace(' (', '_').replace(')', '').replace(' ', '_')}-s{seed}"
+            run_dir.mkdir()
+            (run_dir / "summary.json").write_text(json.dumps(
+                {"best_acc": float(np.mean(accs)), "clients": {"n_test": counts, "best_acc": accs}}))
+    runs = committed_runs(tmp_path, "MNIST", "FedPAC (FC head)", "best_acc")
+    assert sorted(runs) == [0, 1] and runs[0].client_acc is not None
+    assert main([str(tmp_path), "MNIST", "best_acc", "FedPAC (FC head)", "FedReMa"]) == 0
+    out = capsys.readouterr().out
+    assert "FedPAC (FC head) - FedReMa (best_acc): +1.00 ± 0.00" in out and "paired per client, 2 seeds" in out
+    with pytest.raises(ValueError, match="no finished run"):
+        committed_runs(tmp_path, "MNIST", "MOON", "best_acc")

@@ -207,3 +207,51 @@ def _dataset(name: str, data_dir: str | None, config):
         _LOADED.clear()  # one dataset in memory at a time
         _LOADED[key] = config_dataset(config)
     return _LOADED[key]
+
+
+def committed_runs(folder: Path, column: str, method: str, metric: str,
+                   data_dir: str | None = None) -> dict[int, RunAccuracy]:
+    """{seed: RunAccuracy} of the runs of one table cell in a results folder (run directories named
+    `COLUMN-METHOD-sSEED`, as `pfedkit reproduce` names them), test counts rebuilt where needed."""
+    import json
+    import re
+
+    from pfedkit.experiments.comparison import run_name
+    from pfedkit.experiments.comparison import Entry
+
+    stem = run_name(Entry(method, {}, group=column), 0).removesuffix("-s0")
+    runs = {}
+    for run_dir in sorted(Path(folder).glob(f"{stem}-s*")):
+        match = re.fullmatch(rf"{re.escape(stem)}-s(\d+)", run_dir.name)
+        if match is None or not (run_dir / "summary.json").is_file():
+            continue
+        summary = json.loads((run_dir / "summary.json").read_text())
+        counts = None if (summary.get("clients") or {}).get("n_test") else client_test_counts(run_dir, data_dir)
+        runs[int(match.group(1))] = run_accuracy(summary, metric, counts)
+    if not runs:
+        raise ValueError(f"{folder}: no finished run of column {column!r}, method {method!r} ({stem}-sSEED)")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pfedkit.experiments.verdicts FOLDER COLUMN METRIC A B [--data-dir DIR]`: row A
+    minus row B of a committed results folder, ± its standard error, and whether it is a tie."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pfedkit.experiments.verdicts", description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("column", help="the table column, as in the run names (e.g. MNIST, C_2, n_3)")
+    parser.add_argument("metric", help="a summary.json key: best_acc, last10_acc_unweighted ...")
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--data-dir", default=None, help="where an old run's dataset is (to rebuild test counts)")
+    args = parser.parse_args(argv)
+    weighted = not args.metric.endswith("_unweighted")
+    found = difference(committed_runs(args.folder, args.column, args.a, args.metric, args.data_dir),
+                       committed_runs(args.folder, args.column, args.b, args.metric, args.data_dir), weighted)
+    print(f"{args.a} - {args.b} ({args.metric}): {found.text()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
