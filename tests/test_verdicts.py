@@ -168,3 +168,27 @@ def test_the_command_line_reads_a_results_folder(tmp_path, capsys):
     assert "FedPAC (FC head) - FedReMa (best_acc): +1.00 ± 0.00" in out and "paired per client, 2 seeds" in out
     with pytest.raises(ValueError, match="no finished run"):
         committed_runs(tmp_path, "MNIST", "MOON", "best_acc")
+
+
+def test_per_client_accuracies_take_the_rounds_each_metric_names():
+    """Synthetic metrics, 3 clients over 12 rounds, best round 6 (not the last): each client's
+    best-round, last-5, last-10 and final accuracy, weighted back to the summary's numbers."""
+    import pandas as pd
+
+    from pfedkit.evaluation import summarize
+
+    counts = np.array([10, 20, 30])
+    rows = []
+    for rnd in range(1, 13):
+        for cid, n in enumerate(counts):
+            correct = int(min(n, n * (0.3 + 0.05 * rnd + 0.02 * cid))) if rnd != 6 else int(n)
+            rows.append({"round": rnd, "client": cid, "n_test": int(n), "correct": correct, "accuracy": correct / n,
+                         "balanced_acc": correct / n, "loss": 1.0, "bytes_up": 0, "bytes_down": 0})
+    summary = summarize(pd.DataFrame(rows), algorithm="fedavg", dataset="digits", rounds=12, class_correct=None,
+                        class_total=None, train_counts=np.zeros((3, 10)))
+    clients = summary["clients"]
+    assert summary["best_round"] == 6 and clients["best_acc"] == [1.0, 1.0, 1.0]
+    for key in ("final_acc", "last5_acc", "last10_acc", "best_acc"):
+        weighted = float(np.sum(counts * np.array(clients[key])) / counts.sum())
+        assert weighted == pytest.approx(summary[key]), key
+    assert clients["last5_acc"] != clients["last10_acc"] != clients["final_acc"]
