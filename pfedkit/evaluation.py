@@ -146,6 +146,8 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
         "bytes_setup": int(metrics.loc[metrics["round"] == 0, "bytes_up"].sum()),
     }
     summary.update(steps_per_round(metrics))
+    if len(table):
+        summary["clients"] = client_accuracies(metrics, table)
     key = ("final_acc" if point == "final" else f"{point}_acc") + ("_unweighted" if weighting == "unweighted" else "")
     summary["headline_acc"] = summary[key]
     summary["headline"] = f"{HEADLINE_WORDS[weighting]}, {HEADLINE_WORDS[point]}; evaluated {eval_point.replace('_', ' ')}"
@@ -155,6 +157,26 @@ def summarize(metrics: pd.DataFrame, *, algorithm: str, dataset: str, rounds: in
     if new_ids:
         summary.update(new_client_summary(newcomers, new_ids, new_client_finetune, key))
     return summary
+
+
+def client_accuracies(metrics: pd.DataFrame, table: pd.DataFrame) -> dict[str, list]:
+    """Each client's accuracy, so that two runs on the same partition (same seed) can be compared
+    client by client (pfedkit.experiments.verdicts): `client` ids, their test counts `n_test`, and
+    their accuracy at the last evaluated round (`final_acc`), mean over the last 5 and 10 evaluated
+    rounds (`last5_acc`, `last10_acc`), at the best round of the sample-weighted mean (`best_acc`)
+    and of the unweighted mean (`best_acc_unweighted`). sum(n_test * final_acc) / sum(n_test) is
+    the summary's final_acc."""
+    evaluated = metrics.dropna(subset=["accuracy"])
+    by_round = evaluated.pivot_table(index="round", columns="client", values="accuracy", aggfunc="first")
+    counts = evaluated.groupby("client")["n_test"].first().reindex(by_round.columns)
+    rounds = table.index  # the evaluated rounds, in order
+
+    def at(selected) -> list[float | None]:
+        return [_num(value) for value in by_round.loc[selected].mean(axis=0)]
+
+    return {"client": [int(c) for c in by_round.columns], "n_test": [int(n) for n in counts],
+            "final_acc": at(rounds[-1:]), "last5_acc": at(rounds[-LAST_K:]), "last10_acc": at(rounds[-LAST_K_LONG:]),
+            "best_acc": at([table["acc_weighted"].idxmax()]), "best_acc_unweighted": at([table["acc_mean"].idxmax()])}
 
 
 def steps_per_round(metrics: pd.DataFrame) -> dict:

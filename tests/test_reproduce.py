@@ -12,10 +12,13 @@ import pytest
 from pfedkit.cli import main
 from pfedkit.core.errors import ConfigError
 from pfedkit.experiments.comparison import Entry, RunRecord, plan_runs, run_name
-from pfedkit.experiments.paper_presets import PAPERS, PaperValue, Table, check_paper, load_paper
+from pfedkit.experiments.paper_presets import (PAPERS, Budget, PaperSays, PaperValue, Table, check_paper, load_paper,
+                                               quotes_not_in_text, regime_against_paper)
 from pfedkit.experiments.reproduce import NOT_IMPLEMENTED, Plan, paper_markdown, paper_table, plan_table
 
 from conftest import SHARED_DATASETS, needs_dataset
+
+PAPERS_TEXT = SHARED_DATASETS.parent / "papers"  # ../shared/papers: each preset's `file`
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -228,34 +231,51 @@ def test_fedrema_table2_test_splits_reach_beyond_the_dominant_classes():
     assert sum(outside) > 0, "every client's test samples lie in its 3 dominant classes"
 
 
-def regime_keys(config: dict) -> dict:
-    """What a client does in a round and what it holds: epochs, batch, lr, and its data size (the
-    share of the pool per client for partitions that divide the pool among the clients)."""
-    from pfedkit.config import load_config
-
-    resolved = load_config(config)
-    partition = resolved.partition.model_dump()
-    share = partition.pop("pool_fraction") / resolved.num_clients
-    return {"local_epochs": resolved.local_epochs, "batch_size": resolved.batch_size, "lr": resolved.lr,
-            "momentum": resolved.momentum, "partition": partition, "pool_share_per_client": pytest.approx(share)}
+# per paper, the per-round training settings the paper does not state (the preset's own choices,
+# "[ours]" or "[code]" in the preset): they never pass as the paper's
+PRESETS_OWN = {"fedrema": {"momentum"}, "pfedpm": set(), "cwfedavg": {"momentum"}, "pfedcs": {"momentum"},
+               "dapfl": {"local_epochs", "momentum"}}
 
 
 @pytest.mark.parametrize("name", PAPERS)
 def test_regime_budget_keeps_the_papers_per_round_regime(name):
+    """Every cell of every `regime` budget has the per-round values the paper states, each quoted
+    in the preset (`paper_says`) and found in the paper's text; what the paper does not state is
+    named as the preset's own choice, not counted as the paper's."""
     paper = load_paper(name)
     regimes = [table for table in paper.tables if "regime" in paper.budget_names(table)]
     assert regimes, f"{name}: no table has a regime budget"
     for table in regimes:
-        budget, full = paper.budget(table, "regime"), paper.budget(table, "paper")
-        for column in table.columns:
-            if budget.columns is not None and column.name not in budget.columns:
-                continue
-            for row in table.rows:
-                if row.algorithm is None or (budget.rows is not None and row.method not in budget.rows):
-                    continue
-                ours = regime_keys(paper.cell_config(table, column, row, budget))
-                theirs = regime_keys(paper.cell_config(table, column, row, full))
-                assert ours == theirs, f"{name} {table.id} {column.name} {row.method}"
+        assert paper.stated(table), f"{name} {table.id}: the regime budget quotes none of the paper's values"
+        problems, own = regime_against_paper(paper, table)
+        assert problems == []
+        assert own == PRESETS_OWN[name], f"{name} {table.id}"
+    text = PAPERS_TEXT / paper.file
+    if text.is_file():  # ../shared/papers: the quotes are the paper's words
+        assert quotes_not_in_text(paper, text.read_text()) == []
+
+
+def test_regime_check_fails_a_budget_off_the_papers_stated_value():
+    paper = load_paper("fedrema")
+    table = paper.table("1-mnist")
+    off = paper.model_copy(update={"budgets": {**paper.budgets, "regime": Budget(config={"lr": 0.05})}})
+    off_table = table.model_copy(update={"budgets": {}})
+    problems, _ = regime_against_paper(off.model_copy(update={"tables": [off_table]}), off_table)
+    assert problems and all("lr = 0.05, the paper says 0.01" in problem for problem in problems)
+
+
+def test_a_value_the_paper_does_not_state_never_passes_as_the_papers():
+    """DA-PFL's E = 1 is the preset's ("[ours] paper silent"): the regime keeps it, and the check
+    names it as ours. A quote that does not state its value, or is the preset's own words, is refused."""
+    paper = load_paper("dapfl")
+    _, own = regime_against_paper(paper, paper.table("1"))
+    assert "local_epochs" in own and "local_epochs" not in paper.stated(paper.table("1"))
+    with pytest.raises(ValueError, match="not in its quote"):
+        PaperSays(value=1, quote="we adopt SGD as the optimizer")
+    with pytest.raises(ValueError, match="not the paper's words"):
+        PaperSays(value=1, quote="local_epochs: 1  # [ours] paper silent")
+    assert quotes_not_in_text(paper.model_copy(update={"paper_says": {
+        "local_epochs": PaperSays(value=1, quote="each client trains for 1 local epoch")}}), "unrelated text")
 
 
 def test_a_budget_runs_only_its_rows_and_columns():

@@ -10,6 +10,10 @@ Local training is a custom step (`Fit.step`) over consecutive batches of the usu
 request's schedule, so E epochs of b batches give floor(E b / 2) meta-steps [ours; the spec's
 floor(b / 2) per epoch when b is even]. Server: FedAvg (n_i weights). alpha = the config's lr
 unless `alpha` is set, beta = 1e-3 (FL-bench; PFLlib uses beta = alpha), delta = 1e-3.
+The outer step is w <- w - beta g (PFLlib's PerAvgOptimizer), without the config's momentum, weight
+decay or clipping; `trainer_optimizer: true` sends it through them instead (StepTools.sgd_step,
+momentum kept per client with keep_optimizer_state), so that a table whose other rows train with
+momentum and clipping can run Per-FedAvg at the same settings.
 
 Evaluated model: the global model after ONE inner step w - alpha grad F(w; D) on one training batch
 (`Algorithm.adapt`, PFLlib's evaluate_one_step); the adapted copy is thrown away. It is the inner
@@ -53,7 +57,8 @@ def inner_step(tools: StepTools, batches: list[Batch]) -> float:
     return float(loss)
 
 
-def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: str, delta: float) -> float:
+def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: str, delta: float,
+              trainer_optimizer: bool = False) -> float:
     """One Per-FedAvg local step on the live params w, alpha = tools.lr:
     FO: w <- w - beta grad F(w - alpha grad F(w; D); D');
     HF: w <- w - beta (g - alpha H(w; D'') g) with g the FO gradient and the Hessian-vector product
@@ -66,7 +71,10 @@ def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: s
         _, plus = tools.loss_and_grad(batches[2], at=shifted(tools.params, outer, delta))
         _, minus = tools.loss_and_grad(batches[2], at=shifted(tools.params, outer, -delta))
         outer = {name: g - alpha * (plus[name] - minus[name]) / (2 * delta) for name, g in outer.items()}
-    descend(tools.params, outer, beta)
+    if trainer_optimizer:  # the config's clipping, momentum and weight decay on the outer step
+        tools.sgd_step(outer, beta)
+    else:
+        descend(tools.params, outer, beta)
     return float(meta_loss)
 
 
@@ -84,10 +92,14 @@ class PerFedAvg(FedAvg):
         beta: float = Field(0.001, ge=0, description="outer (meta) step size beta",
                             json_schema_extra=float_range(0.0001, 0.01, log=True))
         delta: float = Field(0.001, gt=0, description="finite-difference step of the HF variant")
+        trainer_optimizer: bool = Field(False, description=(
+            "the outer (meta) step through the config's SGD settings: grad_clip, momentum, weight "
+            "decay, kept momentum (keep_optimizer_state); false: w - beta g, as the authors' code"))
 
     def local_fit(self, message: Message) -> Fit:
         """FedAvg's client update with the meta step instead of plain SGD."""
-        step = partial(meta_step, beta=self.hyper.beta, variant=self.hyper.variant, delta=self.hyper.delta)
+        step = partial(meta_step, beta=self.hyper.beta, variant=self.hyper.variant, delta=self.hyper.delta,
+                       trainer_optimizer=self.hyper.trainer_optimizer)
         return Fit(message["params"], lr=self.hyper.alpha, step=step,
                    batches_per_step=3 if self.hyper.variant == "hf" else 2)
 

@@ -155,6 +155,12 @@ class StepTools(Protocol):
         `wrt` (default: `trainable`)."""
         ...
 
+    def sgd_step(self, grads: Params, lr: float) -> None:
+        """Update the live params by `grads` with the config's SGD settings (grad_clip, weight
+        decay, momentum; the momentum kept per client with keep_optimizer_state), as plain
+        training does. A step that updates the params itself gets none of them."""
+        ...
+
 
 # A custom local step: given the tools and `Fit.batches_per_step` consecutive mini-batches, update
 # `tools.params` in place and return the step's loss (a float). A module-level function (with

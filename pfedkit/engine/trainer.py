@@ -163,7 +163,7 @@ class LocalTrainer:
                 if dp_sgd:
                     raise ConfigError("dp.level=sample: this algorithm trains with a custom local step (Fit.step), "
                                       "which DP-SGD does not cover; use dp.level=client or none")
-                return self._fit_custom(request, live, trainable, schedule, x, y)
+                return self._fit_custom(request, live, trainable, schedule, x, y, job.optimizer_state)
             optimizer = torch.optim.SGD([live[n] for n in trainable], lr=request_lr(request, s),
                                         momentum=s.momentum, weight_decay=s.weight_decay, foreach=True)
             self._load_momentum(optimizer, live, job.optimizer_state)
@@ -181,11 +181,14 @@ class LocalTrainer:
                           len(schedule), samples, self._momentum_out(optimizer, live, job.optimizer_state))
 
     def _fit_custom(self, request: Fit, live: Params, trainable: list[str], schedule: list[torch.Tensor],
-                    x, y) -> FitOutcome:
-        """Run `request.step` over consecutive groups of `batches_per_step` batches."""
+                    x, y, saved: Params | None = None) -> FitOutcome:
+        """Run `request.step` over consecutive groups of `batches_per_step` batches. The config's
+        momentum, weight decay, clipping and kept optimizer state reach only a step that updates
+        through `tools.sgd_step` (`saved`: the client's kept momentum buffers of this request's
+        optimizer); a step that updates the params itself returns no optimizer state."""
         for tensor in live.values():
             tensor.requires_grad_(False)  # the step differentiates copies (`loss_and_grad`)
-        tools = _Tools(self, request, live, [name for name in trainable if name in self.parameters])
+        tools = _Tools(self, request, live, [name for name in trainable if name in self.parameters], saved)
         size = request.batches_per_step
         groups = [schedule[i:i + size] for i in range(0, len(schedule) - size + 1, size)]
         total, samples = 0.0, 0
@@ -193,7 +196,7 @@ class LocalTrainer:
             total += float(request.step(tools, [Batch(x[b], y[b], b) for b in group]))
             samples += sum(len(b) for b in group)
         return FitOutcome(self._params_out(live), self._buffers_out(), total / max(len(groups), 1),
-                          len(groups), samples, None)
+                          len(groups), samples, tools.optimizer_state_out(saved))
 
     def forward(self, params: Params, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, logits) of the model at `params` (module buffers, train/eval mode as set)."""
@@ -339,9 +342,44 @@ def compiled(forward: Callable) -> Callable:
 class _Tools:
     """`StepTools` for a custom local step, over one LocalTrainer's model."""
 
-    def __init__(self, trainer: LocalTrainer, request: Fit, live: Params, trainable: list[str]) -> None:
+    def __init__(self, trainer: LocalTrainer, request: Fit, live: Params, trainable: list[str],
+                 saved: Params | None = None) -> None:
         self.trainer, self.request, self.params, self.trainable = trainer, request, live, trainable
         self.lr = request_lr(request, trainer.settings)
+        keep = trainer.settings.keep_optimizer_state and trainer.settings.momentum
+        self.momentum: Params = {name: value.to(trainer.device, copy=True)
+                                 for name, value in (saved or {}).items()} if keep else {}
+        self.stepped = False  # whether the step went through sgd_step
+
+    def sgd_step(self, grads: Params, lr: float) -> None:
+        """The config's SGD update on the live params with `grads` and step size `lr`, as the plain
+        training path does it: grads clipped to a total norm of `grad_clip` (torch's
+        clip_grad_norm_: coef = min(1, clip / (norm + 1e-6))), then weight decay g + wd p, then
+        momentum b <- m b + g (b = g at the first step), p <- p - lr b."""
+        settings = self.trainer.settings
+        names = list(grads)
+        with torch.no_grad():
+            if settings.grad_clip is not None and names:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n]) for n in names]))
+                coef = torch.clamp(settings.grad_clip / (norm + 1e-6), max=1.0)
+                grads = {name: grads[name] * coef for name in names}
+            for name in names:
+                direction = grads[name]
+                if settings.weight_decay:
+                    direction = direction + settings.weight_decay * self.params[name]
+                if settings.momentum:
+                    buffer = self.momentum.get(name)
+                    buffer = direction.clone() if buffer is None else buffer.mul_(settings.momentum).add_(direction)
+                    self.momentum[name] = direction = buffer
+                self.params[name].add_(direction, alpha=-lr)
+        self.stepped = True
+
+    def optimizer_state_out(self, saved: Params | None) -> Params | None:
+        """The momentum buffers to keep (config keep_optimizer_state), when the step used sgd_step."""
+        settings = self.trainer.settings
+        if not (self.stepped and settings.keep_optimizer_state and settings.momentum):
+            return None
+        return {**(saved or {}), **{name: _to_host(value) for name, value in self.momentum.items()}}
 
     def loss_and_grad(self, batch: Batch, at: Params | None = None,
                       wrt: list[str] | None = None) -> tuple[torch.Tensor, Params]:

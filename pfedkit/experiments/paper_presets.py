@@ -49,6 +49,39 @@ class PaperValue(BaseModel):
         return f"{self.mean:.2f}" + ("" if self.std is None else f" ± {self.std:.2f}")
 
 
+# what a client does in a round and holds: the settings a `regime` budget keeps (rounds and the
+# number of clients it may cut); a paper_says entry may name only these
+TRAINING_KEYS = ("local_epochs", "batch_size", "lr", "momentum")
+REGIME_KEYS = (*TRAINING_KEYS, "partition.samples_per_client", "partition.k")
+
+
+class PaperSays(BaseModel):
+    """A setting the paper states, in its own words: `quote` (verbatim from the paper's text file)
+    must contain `value` as written. A value the paper does not state (the preset's "[ours]" or
+    "[code]") has no entry, so it can never pass as the paper's."""
+    model_config = ConfigDict(extra="forbid")
+
+    value: float
+    quote: str
+
+    @model_validator(mode="after")
+    def _value_in_quote(self) -> "PaperSays":
+        text = f"{self.value:g}"
+        if "[ours]" in self.quote or "[code]" in self.quote:
+            raise ValueError(f"paper_says quote {self.quote!r}: a preset's own choice is not the paper's words")
+        if not re.search(rf"(?<![0-9.]){re.escape(text)}(?![0-9])", self.quote):
+            raise ValueError(f"paper_says value {text}: not in its quote {self.quote!r}; quote the sentence "
+                             "that states it, or drop the entry (the paper is silent)")
+        return self
+
+
+def _check_says(says: dict[str, PaperSays]) -> dict[str, PaperSays]:
+    strays = [key for key in says if key not in REGIME_KEYS]
+    if strays:
+        raise ValueError(f"paper_says: {strays} are not per-round settings; allowed: {', '.join(REGIME_KEYS)}")
+    return says
+
+
 class Budget(BaseModel):
     """Overrides that make a table cheaper, the seeds to run, and in words what was reduced."""
     model_config = ConfigDict(extra="forbid")
@@ -96,6 +129,7 @@ class Table(BaseModel):
     columns: list[Column]
     rows: list[Row]
     budgets: dict[str, Budget] = Field(default_factory=dict, description="override the paper's budgets")
+    paper_says: dict[str, PaperSays] = Field(default_factory=dict, description="over the paper's, for this table")
 
     @model_validator(mode="after")
     def _check_shape(self) -> "Table":
@@ -131,9 +165,14 @@ class Paper(BaseModel):
     budgets: dict[str, Budget]
     tables: list[Table]
     unavailable: list[Unavailable] = Field(default_factory=list)
+    paper_says: dict[str, PaperSays] = Field(default_factory=dict, description=(
+        "the per-round settings the paper states (REGIME_KEYS, dotted), each with its quote"))
 
     @model_validator(mode="after")
     def _check_budgets(self) -> "Paper":
+        _check_says(self.paper_says)
+        for table in self.tables:
+            _check_says(table.paper_says)
         missing = [b for b in ("smoke", "cpu") if b not in self.budgets]
         if missing:
             raise ValueError(f"budgets: {', '.join(missing)} missing")
@@ -182,6 +221,10 @@ class Paper(BaseModel):
                       rows=own.rows if own.rows is not None else common.rows,
                       columns=own.columns if own.columns is not None else common.columns,
                       reduced="; ".join(text for text in (common.reduced, own.reduced) if text))
+
+    def stated(self, table: Table) -> dict[str, PaperSays]:
+        """The per-round settings the paper states for `table` (its own over the paper's)."""
+        return {**self.paper_says, **table.paper_says}
 
     def budget_names(self, table: Table) -> list[str]:
         """The budgets `table` can run at, cheapest first."""
@@ -238,6 +281,38 @@ def check_paper(paper: Paper) -> list[str]:
                         problems.append(f"table {table.id}, column {column.name}, row {row.method}, "
                                         f"budget {budget_name}: {err}")
     return problems
+
+
+def regime_against_paper(paper: Paper, table: Table, budget_name: str = "regime") -> tuple[list[str], set[str]]:
+    """Each cell of the budget against the paper's stated per-round values (`paper_says`): the
+    mismatches found, and the TRAINING_KEYS the paper does not state (the preset's own choices:
+    they keep the paper budget's value, but are not the paper's)."""
+    from pfedkit.config import load_config
+    from pfedkit.run_identity import flatten
+
+    budget, stated = paper.budget(table, budget_name), paper.stated(table)
+    problems = []
+    for column in table.columns:
+        if budget.columns is not None and column.name not in budget.columns:
+            continue
+        for row in table.rows:
+            if row.algorithm is None or (budget.rows is not None and row.method not in budget.rows):
+                continue
+            resolved = flatten(load_config(paper.cell_config(table, column, row, budget)).to_dict())
+            for key, says in stated.items():
+                if resolved.get(key) is None or float(resolved[key]) != says.value:
+                    problems.append(f"{paper.paper} {table.id} {column.name} {row.method}: {key} = "
+                                    f"{resolved.get(key)}, the paper says {says.value:g} (\"{says.quote}\")")
+    return problems, {key for key in TRAINING_KEYS if key not in stated}
+
+
+def quotes_not_in_text(paper: Paper, text: str) -> list[str]:
+    """The paper_says quotes not found in the paper's text (whitespace and case ignored)."""
+    def normal(words: str) -> str:
+        return " ".join(words.split()).lower()
+    body = normal(text)
+    says = [*paper.paper_says.items(), *(item for table in paper.tables for item in table.paper_says.items())]
+    return [f"{key}: {entry.quote!r}" for key, entry in says if normal(entry.quote) not in body]
 
 
 if __name__ == "__main__":  # python -m pfedkit.experiments.paper_presets PAPER: validate a preset file

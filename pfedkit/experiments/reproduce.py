@@ -5,11 +5,18 @@ metric), the paper's value, the difference ours - paper in points, and each meth
 and by the paper within the column; `order` flags a method whose rank differs, and each column's
 Kendall tau between the two orders says how far the orders agree overall. Methods pfedkit does not
 implement keep their line, with the paper's value and "not implemented".
+
+Below each column, every row that ran is set against the paper's method (the table's first row
+running the paper's own algorithm): our difference ± its standard error (pfedkit.experiments.verdicts:
+paired per client where both runs record per-client accuracies, else binomial, the weaker
+estimate), the paper's difference, and whether our order is the paper's, a tie (|difference| < 2
+SE) or flipped; the column's Kendall tau is given again with the pairs inside 2 SE as ties.
 """
 from __future__ import annotations
 
 import shutil
 import sys
+from typing import Any
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +33,7 @@ from pfedkit.experiments.comparison import (Entry, RunRecord, changes_from_store
                                             read_summary, run_comparison, write_seed_table)
 from pfedkit.experiments.paper_list import data_status, list_paper, list_papers, table_datasets  # noqa: F401
 from pfedkit.experiments.paper_presets import Budget, Column, Paper, Row, Table, load_paper
+from pfedkit.experiments.verdicts import Difference, client_test_counts, collapsed_kendall_tau, difference, run_accuracy
 from pfedkit.run_identity import EXECUTION_KEYS, describe_changes, flatten
 
 NOT_IMPLEMENTED = "not implemented"
@@ -42,6 +50,7 @@ class Plan:
     seeds: list[int]
     scope: list[Entry] | None = None  # the whole table's entries at this budget, when `entries` is part of it
     changed: tuple[str, ...] = ()  # the key=value overrides that change what the runs compute (heading)
+    data_dir: str | None = None  # the data_dir override: where to rebuild an old run's test counts
 
 
 def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str] | None = None,
@@ -76,7 +85,7 @@ def plan_table(paper: Paper, table: Table, budget_name: str, overrides: list[str
     partial = rows is not None or columns is not None
     return Plan(paper, table, budget_name, budget, entries(chosen_rows(table, budget, rows), run_columns),
                 list(range(count)), scope=entries(table.rows, scope_columns) if partial else None,
-                changed=computing_overrides(extra))
+                changed=computing_overrides(extra), data_dir=extra.get("data_dir"))
 
 
 def computing_overrides(extra: dict) -> tuple[str, ...]:
@@ -149,6 +158,8 @@ def write_tables(plan: Plan, out_dir: Path, records: list[RunRecord]) -> pd.Data
     """table.csv/.md and paper.csv/.md of the finished `records`; returns the paper table."""
     write_seed_table(out_dir, records)
     result = paper_table(plan.table, records)
+    pairs = pair_table(plan.paper.paper, plan.table, records, plan.data_dir)
+    result = with_collapsed_tau(result, plan.table, records, plan.data_dir)
     left_out = pd.Series(False, index=result.index)  # rows/columns the budget leaves out are not "pending"
     if plan.budget.rows is not None:
         left_out |= ~result["method"].isin(plan.budget.rows)
@@ -156,7 +167,8 @@ def write_tables(plan: Plan, out_dir: Path, records: list[RunRecord]) -> pd.Data
         left_out |= ~result["column"].isin(plan.budget.columns)
     result.loc[left_out & (result["status"] == "pending"), "status"] = f"not run at budget {plan.budget_name}"
     atomic_write_text(out_dir / "paper.csv", result.to_csv(index=False))
-    atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result))
+    atomic_write_text(out_dir / "pairs.csv", pairs.to_csv(index=False))
+    atomic_write_text(out_dir / "paper.md", paper_markdown(plan, result, pairs))
     return result
 
 
@@ -195,6 +207,100 @@ def paper_table(table: Table, records: list[RunRecord]) -> pd.DataFrame:
     frame = pd.DataFrame(lines)
     frame["diff"] = frame["ours"] - frame["paper"]
     return add_ranks(frame)
+
+
+def method_row(paper_name: str, table: Table) -> Row | None:
+    """The paper's own method in a table: its first row that runs the paper's algorithm."""
+    return next((row for row in table.rows if row.algorithm == paper_name), None)
+
+
+def _row_runs(records: list[RunRecord], column: str, method: str, metric: str,
+              data_dir: str | None = None) -> dict[int, Any]:
+    """{seed: RunAccuracy} of one cell's finished runs; test counts rebuilt from the run's config
+    (its data in `data_dir`, else in its config's) where its summary has no per-client accuracies
+    (None where that is impossible: no data)."""
+    runs = {}
+    for record in records:
+        if record.entry.group != column or record.entry.label != method or record.summary.get(metric) is None:
+            continue
+        counts = None
+        if not (record.summary.get("clients") or {}).get("n_test"):
+            counts = _test_counts(record.run_dir, data_dir)
+        runs[record.seed] = run_accuracy(record.summary, metric, counts)
+    return runs
+
+
+def _test_counts(run_dir: Path, data_dir: str | None) -> np.ndarray | None:
+    try:
+        return client_test_counts(run_dir, data_dir)
+    except (OSError, ValueError, RuntimeError):  # no config.yaml (ConfigError), no data (DataError)
+        return None
+
+
+def _difference(a: dict, b: dict, weighted: bool) -> Difference | None:
+    try:
+        return difference(a, b, weighted)
+    except ValueError:  # a run without per-client accuracies or test counts
+        return None
+
+
+def pair_table(paper_name: str, table: Table, records: list[RunRecord], data_dir: str | None = None) -> pd.DataFrame:
+    """Per column, every row that ran against the paper's method: ours (row - method) ± SE in
+    points, how the SE was estimated, the paper's difference, and `order`: "as printed", "tie"
+    (|ours| < 2 SE) or "flipped" (outside 2 SE, opposite sign), "-" without a paper number."""
+    method = method_row(paper_name, table)
+    lines = []
+    for index, column in enumerate(table.columns):
+        if method is None:
+            break
+        metric = method.metric or table.metric
+        ours_method = _row_runs(records, column.name, method.method, metric, data_dir)
+        if not ours_method:
+            continue
+        for row in table.rows:
+            if row.method == method.method or (row.metric or table.metric) != metric:
+                continue
+            found = _difference(_row_runs(records, column.name, row.method, metric, data_dir), ours_method,
+                                not metric.endswith("_unweighted")) if row.algorithm else None
+            if found is None:
+                continue
+            paper_row, paper_method = row.values()[index], method.values()[index]
+            paper_diff = np.nan if paper_row is None or paper_method is None else paper_row.mean - paper_method.mean
+            order = "-" if np.isnan(paper_diff) else "tie" if found.tie else \
+                "as printed" if np.sign(found.diff) == np.sign(paper_diff) else "flipped"
+            lines.append({"column": column.name, "method": row.method, "against": method.method, "metric": metric,
+                          "diff": found.diff, "se": found.se, "se_kind": found.kind, "seeds": found.seeds,
+                          "paper_diff": paper_diff, "order": order})
+    return pd.DataFrame(lines, columns=["column", "method", "against", "metric", "diff", "se", "se_kind", "seeds",
+                                        "paper_diff", "order"])
+
+
+def with_collapsed_tau(frame: pd.DataFrame, table: Table, records: list[RunRecord],
+                       data_dir: str | None = None) -> pd.DataFrame:
+    """`kendall_tau_ties`: each column's Kendall tau where our pairs within 2 SE count as ties
+    (verdicts.collapsed_kendall_tau); NaN where a pair's SE cannot be estimated."""
+    frame = frame.copy()
+    frame["kendall_tau_ties"] = np.nan
+    for (column, metric), block in frame.groupby(["column", "metric"], sort=False):
+        both = block.dropna(subset=["ours", "paper"])
+        runs = [_row_runs(records, column, method, metric, data_dir) for method in both["method"]]
+        tied = _noise_ties(runs, not metric.endswith("_unweighted"))
+        if len(both) >= 2 and tied is not None:
+            frame.loc[block.index, "kendall_tau_ties"] = collapsed_kendall_tau(
+                list(both["ours"]), list(both["paper"]), tied)
+    return frame
+
+
+def _noise_ties(runs: list[dict], weighted: bool) -> np.ndarray | None:
+    """tied[i, j]: rows i and j within 2 SE of each other; None if any pair has no SE."""
+    tied = np.zeros((len(runs), len(runs)), dtype=bool)
+    for i in range(len(runs)):
+        for j in range(i + 1, len(runs)):
+            found = _difference(runs[i], runs[j], weighted)
+            if found is None:
+                return None
+            tied[i, j] = tied[j, i] = found.tie
+    return tied
 
 
 def regime_facts(summaries: list[dict], metric: str) -> dict:
@@ -265,8 +371,9 @@ def _seed_counts(plan: Plan, result: pd.DataFrame) -> str:
     return str(high) if low == high else f"{low}-{high} (per row: the seeds column)"
 
 
-def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
-    """Markdown: a heading with the source and budget, then one table per column."""
+def paper_markdown(plan: Plan, result: pd.DataFrame, pairs: pd.DataFrame | None = None) -> str:
+    """Markdown: a heading with the source and budget, then one table per column, each followed by
+    its rows' differences from the paper's method (`pairs`, pair_table)."""
     table = plan.table
     parts = [f"## {plan.paper.paper} {table.id}: {table.caption}",
              f"Source: {table.source}. Budget: {plan.budget_name} ({plan.budget.reduced or 'no reduction'})"
@@ -279,7 +386,10 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
              "last 10 evaluated rounds lies from the 10 before, in points (settled below 0.5)."]
     for column, block in result.groupby("column", sort=False):
         tau = block["kendall_tau"].dropna()
-        parts.append(f"\n### {column}" + (f" (Kendall tau ours vs paper: {tau.iloc[0]:.2f})" if len(tau) else ""))
+        tau_ties = block["kendall_tau_ties"].dropna() if "kendall_tau_ties" in block else pd.Series(dtype=float)
+        parts.append(f"\n### {column}" + (f" (Kendall tau ours vs paper: {tau.iloc[0]:.2f}" if len(tau) else "")
+                     + (f"; with the pairs inside 2 SE as ties: {tau_ties.iloc[0]:.2f}" if len(tau_ties) else "")
+                     + (")" if len(tau) else ""))
         parts.append("| method | metric | ours | seeds | paper | diff | rank ours / paper | order "
                      "| steps a round | last-10 moved |")
         parts.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -291,7 +401,21 @@ def paper_markdown(plan: Plan, result: pd.DataFrame) -> str:
             parts.append(f"| {line['method']} | {line['metric']} | {ours} | {line['seeds']} "
                          f"| {_num(line['paper'], line['paper_std'])} | {_num(line['diff'])} | {ranks} "
                          f"| {'≠' if line['order_differs'] else ''} | {_steps(line)} | {_num(line['moved'])} |")
+        if pairs is not None and len(mine := pairs[pairs["column"] == column]):
+            parts.append(pairs_markdown(mine))
     return "\n".join(parts) + "\n"
+
+
+def pairs_markdown(pairs: pd.DataFrame) -> str:
+    """One column's rows against the paper's method: ours ± SE, the paper's difference, the order."""
+    against = pairs["against"].iloc[0]
+    lines = [f"\nAgainst {against} (row - {against}, in points; ± the standard error; `tie`: |ours| < 2 SE, "
+             "not a rank; `flipped`: the paper's order reversed outside 2 SE):",
+             "| method | ours - method | SE from | seeds | paper - method | order |", "|---|---|---|---|---|---|"]
+    for _, pair in pairs.iterrows():
+        lines.append(f"| {pair['method']} | {pair['diff']:+.2f} ± {pair['se']:.2f} | {pair['se_kind']} "
+                     f"| {pair['seeds']} | {_num(pair['paper_diff'])} | {pair['order']} |")
+    return "\n".join(lines)
 
 
 def check_data(plan: Plan) -> None:
