@@ -537,6 +537,20 @@ def adagrad_v(h, v, delta):
     return v + delta * delta
 
 
+def fednova(parts: Parts, cid: int) -> Expected:
+    """x - tau_eff sum_j p_j (x - y_j) / s_j, p_j = n_j / n, tau_eff = sum_j p_j s_j, s_j = the step
+    probe each client's Fit returned ("step_probe"; 0: the client took no step and adds nothing)."""
+    from pfedkit.core.params import WeightedSum, mean_shares
+
+    x, shares = parts.download(cid)["params"], mean_shares(parts.sizes)
+    steps = [float(parts.trained(j, -1)["step_probe"]) for j in range(NUM_CLIENTS)]
+    tau_eff = sum(p * s for p, s in zip(shares, steps))
+    normalised = WeightedSum()
+    for model, p, s in zip(trained_models(parts), shares, steps):
+        normalised.add({name: x[name] - model[name] for name in x}, p / s if s > 0 else 0.0)  # no step: no update
+    return Expected({name: x[name] - tau_eff * normalised.total[name] for name in x})
+
+
 def server_step_left_out(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"FedAvg's mean of the trained models (the server's own step left out)":
             lambda cid: Expected(averaged(parts))}
@@ -581,6 +595,7 @@ CUSTOM_RULES.update({
     "fedadam": Rule(adaptive_server(adam_v), True, server_step_left_out),
     "fedyogi": Rule(adaptive_server(yogi_v), True, server_step_left_out),
     "fedadagrad": Rule(adaptive_server(adagrad_v), True, server_step_left_out),
+    "fednova": Rule(fednova, True, server_step_left_out),
 })
 
 
