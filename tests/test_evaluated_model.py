@@ -537,6 +537,14 @@ def adagrad_v(h, v, delta):
     return v + delta * delta
 
 
+def scaffold(parts: Parts, cid: int) -> Expected:
+    """x + eta_g (mean of the trained y_j - x); the mean uniform, or by n_j with weights=samples."""
+    h, x = parts.algorithm.hyper, parts.download(cid)["params"]
+    weights = parts.sizes if h.weights == "samples" else [1.0] * NUM_CLIENTS
+    mean = weighted_mean(trained_models(parts), weights)
+    return Expected({name: x[name] + h.global_lr * (mean[name] - x[name]) for name in x})
+
+
 def fednova(parts: Parts, cid: int) -> Expected:
     """x - tau_eff sum_j p_j (x - y_j) / s_j, p_j = n_j / n, tau_eff = sum_j p_j s_j, s_j = the step
     probe each client's Fit returned ("step_probe"; 0: the client took no step and adds nothing)."""
@@ -595,6 +603,7 @@ CUSTOM_RULES.update({
     "fedadam": Rule(adaptive_server(adam_v), True, server_step_left_out),
     "fedyogi": Rule(adaptive_server(yogi_v), True, server_step_left_out),
     "fedadagrad": Rule(adaptive_server(adagrad_v), True, server_step_left_out),
+    "scaffold": Rule(scaffold, True, server_step_left_out),
     "fednova": Rule(fednova, True, server_step_left_out),
 })
 
