@@ -545,6 +545,19 @@ def scaffold(parts: Parts, cid: int) -> Expected:
     return Expected({name: x[name] + h.global_lr * (mean[name] - x[name]) for name in x})
 
 
+def feddyn(parts: Parts, cid: int) -> Expected:
+    """Uniform mean of the trained models - h / alpha, h = h_prev - (alpha / N) sum_j (theta_j - x)."""
+    from pfedkit.core.params import WeightedSum
+
+    alpha, x, models = parts.algorithm.hyper.alpha, parts.download(cid)["params"], trained_models(parts)
+    drift = WeightedSum()
+    for model in models:
+        drift.add({name: model[name] - x[name] for name in x}, alpha / NUM_CLIENTS)
+    h = {name: value - drift.total[name] for name, value in state_before_last_round(parts)["h"].items()}
+    mean = weighted_mean(models, [1.0] * NUM_CLIENTS)
+    return Expected({name: mean[name] - h[name] / alpha for name in mean})
+
+
 def fednova(parts: Parts, cid: int) -> Expected:
     """x - tau_eff sum_j p_j (x - y_j) / s_j, p_j = n_j / n, tau_eff = sum_j p_j s_j, s_j = the step
     probe each client's Fit returned ("step_probe"; 0: the client took no step and adds nothing)."""
@@ -604,6 +617,7 @@ CUSTOM_RULES.update({
     "fedyogi": Rule(adaptive_server(yogi_v), True, server_step_left_out),
     "fedadagrad": Rule(adaptive_server(adagrad_v), True, server_step_left_out),
     "scaffold": Rule(scaffold, True, server_step_left_out),
+    "feddyn": Rule(feddyn, True, server_step_left_out),
     "fednova": Rule(fednova, True, server_step_left_out),
 })
 
