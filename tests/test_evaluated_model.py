@@ -547,6 +547,103 @@ def rpfedpm_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
                 rpfedpm(parts, cid), class_features=before[cid]["class_features"], available=before[cid]["available"])}
 
 
+# Server optimisers (FedAvgM, FedOpt, SCAFFOLD, FedDyn, FedNova): the server's step recomputed from
+# the model the client downloaded in round R (x), the optimiser's state before round R (server-only
+# state, read from the state recorded after round R-1) and the models the clients trained in round R.
+
+
+def state_before_last_round(parts: Parts) -> dict:
+    return parts.rec.servers[ROUNDS - 1]
+
+
+def trained_models(parts: Parts) -> list[Params]:
+    return [model_only(parts.trained(j, -1)) for j in range(NUM_CLIENTS)]
+
+
+def fedavgm(parts: Parts, cid: int) -> Expected:
+    """x - eta v, v = beta v_prev + (x - FedAvg mean) (Nesterov: x - eta ((x - mean) + beta v))."""
+    h, x, mean = parts.algorithm.hyper, parts.download(cid)["params"], averaged(parts)
+    previous = state_before_last_round(parts)["momentum"]
+    params = {}
+    for name in x:
+        pseudo_gradient = x[name] - mean[name]
+        momentum = h.beta * previous[name] + pseudo_gradient
+        params[name] = x[name] - h.server_lr * (pseudo_gradient + h.beta * momentum if h.nesterov else momentum)
+    return Expected(params)
+
+
+def adaptive_server(second_moment: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Reddi et al.'s Algorithm 2 on Delta = FedAvg mean - x: x + eta m / (sqrt(v) + tau)."""
+    def rule(parts: Parts, cid: int) -> Expected:
+        h, x, mean = parts.algorithm.hyper, parts.download(cid)["params"], averaged(parts)
+        before = state_before_last_round(parts)
+        params = {}
+        for name in x:
+            delta = mean[name] - x[name]
+            m = h.beta1 * before["m"][name] + (1 - h.beta1) * delta
+            v = second_moment(h, before["v"][name], delta)
+            params[name] = x[name] + h.server_lr * m / (v.sqrt() + h.tau)
+        return Expected(params)
+    rule.__name__ = f"adaptive_server_{second_moment.__name__}"
+    rule.__doc__ = f"x + eta m / (sqrt(v) + tau), v by {second_moment.__doc__}"
+    return rule
+
+
+def adam_v(h, v, delta):
+    """Adam: beta2 v + (1 - beta2) Delta^2"""
+    return h.beta2 * v + (1 - h.beta2) * (delta * delta)
+
+
+def yogi_v(h, v, delta):
+    """Yogi: v - (1 - beta2) Delta^2 sign(v - Delta^2)"""
+    return v - (1 - h.beta2) * (delta * delta) * torch.sign(v - delta * delta)
+
+
+def adagrad_v(h, v, delta):
+    """Adagrad: v + Delta^2"""
+    return v + delta * delta
+
+
+def scaffold(parts: Parts, cid: int) -> Expected:
+    """x + eta_g (mean of the trained y_j - x); the mean uniform, or by n_j with weights=samples."""
+    h, x = parts.algorithm.hyper, parts.download(cid)["params"]
+    weights = parts.sizes if h.weights == "samples" else [1.0] * NUM_CLIENTS
+    mean = weighted_mean(trained_models(parts), weights)
+    return Expected({name: x[name] + h.global_lr * (mean[name] - x[name]) for name in x})
+
+
+def feddyn(parts: Parts, cid: int) -> Expected:
+    """Uniform mean of the trained models - h / alpha, h = h_prev - (alpha / N) sum_j (theta_j - x)."""
+    from pfedkit.core.params import WeightedSum
+
+    alpha, x, models = parts.algorithm.hyper.alpha, parts.download(cid)["params"], trained_models(parts)
+    drift = WeightedSum()
+    for model in models:
+        drift.add({name: model[name] - x[name] for name in x}, alpha / NUM_CLIENTS)
+    h = {name: value - drift.total[name] for name, value in state_before_last_round(parts)["h"].items()}
+    mean = weighted_mean(models, [1.0] * NUM_CLIENTS)
+    return Expected({name: mean[name] - h[name] / alpha for name in mean})
+
+
+def fednova(parts: Parts, cid: int) -> Expected:
+    """x - tau_eff sum_j p_j (x - y_j) / s_j, p_j = n_j / n, tau_eff = sum_j p_j s_j, s_j = the step
+    probe each client's Fit returned ("step_probe"; 0: the client took no step and adds nothing)."""
+    from pfedkit.core.params import WeightedSum, mean_shares
+
+    x, shares = parts.download(cid)["params"], mean_shares(parts.sizes)
+    steps = [float(parts.trained(j, -1)["step_probe"]) for j in range(NUM_CLIENTS)]
+    tau_eff = sum(p * s for p, s in zip(shares, steps))
+    normalised = WeightedSum()
+    for model, p, s in zip(trained_models(parts), shares, steps):
+        normalised.add({name: x[name] - model[name] for name in x}, p / s if s > 0 else 0.0)  # no step: no update
+    return Expected({name: x[name] - tau_eff * normalised.total[name] for name in x})
+
+
+def server_step_left_out(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"FedAvg's mean of the trained models (the server's own step left out)":
+            lambda cid: Expected(averaged(parts))}
+
+
 @dataclass(frozen=True)
 class Rule:
     """How a client's evaluated model is assembled from the parts, and the wrong assemblies to tell
@@ -583,6 +680,15 @@ CUSTOM_RULES: dict[str, Rule] = {
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "qffl": Rule(qffl, True),
 }
+CUSTOM_RULES.update({
+    "fedavgm": Rule(fedavgm, True, server_step_left_out),
+    "fedadam": Rule(adaptive_server(adam_v), True, server_step_left_out),
+    "fedyogi": Rule(adaptive_server(yogi_v), True, server_step_left_out),
+    "fedadagrad": Rule(adaptive_server(adagrad_v), True, server_step_left_out),
+    "scaffold": Rule(scaffold, True, server_step_left_out),
+    "feddyn": Rule(feddyn, True, server_step_left_out),
+    "fednova": Rule(fednova, True, server_step_left_out),
+})
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
