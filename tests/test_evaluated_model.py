@@ -446,6 +446,18 @@ def cwfedavg(parts: Parts, cid: int) -> Expected:
     return Expected({**shared, **personalised_model(parts.server["class_wise"], mixing)})
 
 
+def fedala(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models) with its top layers mixed with the client's
+    last trained model, theta_i + (theta - theta_i) ⊙ W (torch.lerp), W as the round's last ALA Fit
+    (the one before the local training) returned it ("ala_weight." extras); W = 1 (the global
+    model) when the client ran no ALA."""
+    global_, local = averaged(parts), model_only(parts.trained(cid, -1))
+    count = len(parts.rec.fits[ROUNDS, cid])
+    ala = parts.trained(cid, count - 2) if count > 1 else {}
+    weights = {name[len("ala_weight."):]: value for name, value in ala.items() if name.startswith("ala_weight.")}
+    return Expected({**global_, **{name: torch.lerp(local[name], global_[name], w) for name, w in weights.items()}})
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -514,6 +526,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
 }
+CUSTOM_RULES.update({"fedala": Rule(fedala, True)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
