@@ -458,6 +458,15 @@ def fedala(parts: Parts, cid: int) -> Expected:
     return Expected({**global_, **{name: torch.lerp(local[name], global_[name], w) for name, w in weights.items()}})
 
 
+def feddbe(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models) whose head reads h + z̄_i: bias b + W z̄_i,
+    z̄_i the bias memory the client's last Fit returned ("dbe_memory" extra)."""
+    params, memory = averaged(parts), parts.trained(cid, -1)["dbe_memory"]
+    weight_name, bias_name = linear_layer_names(select(params, "head"), "head")
+    params[bias_name] = params[bias_name] + params[weight_name] @ memory
+    return Expected(params)
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -526,7 +535,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
 }
-CUSTOM_RULES.update({"fedala": Rule(fedala, True)})  # issue 46: Methods II
+CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
