@@ -467,6 +467,26 @@ def feddbe(parts: Parts, cid: int) -> Expected:
     return Expected(params)
 
 
+def fedcac(parts: Parts, cid: int) -> Expected:
+    """Each tensor's critical entries (sensitivity |(after - before) ⊙ after| of the client's last
+    training at least its int(tau n)-th largest value; at most 1e-10: the smallest value above
+    1e-20) from the plain mean of the trained models of its collaborators (the recorded
+    fedcac_collaborators row), the other entries from the FedAvg of the trained models."""
+    tau, row = parts.algorithm.hyper.tau, parts.diagnostic("fedcac_collaborators")[cid]
+    peers = [j for j in range(NUM_CLIENTS) if row[j] == 1]
+    customised = weighted_mean([model_only(parts.trained(j, -1)) for j in peers], [1.0] * len(peers))
+    global_, before, after = averaged(parts), parts.request(cid, -1).params, model_only(parts.trained(cid, -1))
+    model = {}
+    for name, value in after.items():
+        sensitivity = ((value - before[name]) * value).abs()
+        ranked, count = torch.sort(sensitivity.reshape(-1), descending=True).values, int(tau * value.numel())
+        bound = float(ranked[count - 1]) if count else math.inf
+        if bound <= 1e-10 and (ranked > 1e-20).any():
+            bound = float(ranked[ranked > 1e-20].min())
+        model[name] = torch.where(sensitivity >= bound, customised[name], global_[name])
+    return Expected(model)
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -535,7 +555,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
 }
-CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True)})  # issue 46: Methods II
+CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True),
+                     "fedcac": Rule(fedcac, True)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
