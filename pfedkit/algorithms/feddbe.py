@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from pfedkit.algorithms.extra_layers import check_linear_head, head_linear
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
-from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, weighted_mean
 from pfedkit.core.search import float_range
 
@@ -46,12 +46,6 @@ RUNNING = "dbe_running"  # r, updated in place by the loss (read after training)
 
 # ---------------------------------------------------------------------------------------------
 # The math (pure functions)
-
-
-def head_linear(params: Params) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W [C, d], b [C]) of the model's one Linear head."""
-    weight, bias = linear_layer_names(params, "head")
-    return params[weight], params[bias]
 
 
 def dbe_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *,
@@ -98,14 +92,7 @@ class FedDBE(Algorithm):
         self.feature_dim = int(setup.ops.template.feature_dim) if setup.ops is not None else None
 
     def check(self) -> None:
-        head = {n: p for n, p in self.setup.ops.initial_params().items() if n.startswith("head.")}
-        try:
-            _, bias = linear_layer_names(head, "head")
-        except ValueError as error:
-            raise ConfigError(f"feddbe needs the model's head to be one Linear layer (head_split=last): {error}") from None
-        if bias is None:
-            raise ConfigError("feddbe folds the bias memory into the head's bias, but the model's head has none; "
-                              "use a model whose last Linear layer has a bias")
+        check_linear_head(self.setup, self.name, needs_bias=True)  # z̄_i is folded into the head's bias
 
     def init_server(self, params: Params) -> dict[str, Any]:
         """The global model; no global mean until the initialisation round's uploads."""
