@@ -487,6 +487,15 @@ def fedcac(parts: Parts, cid: int) -> Expected:
     return Expected(model)
 
 
+def gpfl(parts: Parts, cid: int) -> Expected:
+    """Global body, CoV and GCE (FedAvg of the trained ones: the names the server shares) + the head
+    of the client's last Fit; prediction through the valve with p_i from that GCE (its `predict`)."""
+    names = list(parts.rec.servers[0]["shared"])
+    shared = weighted_mean([{n: parts.trained(j, -1)[n] for n in names} for j in range(NUM_CLIENTS)], parts.sizes)
+    head = select(parts.trained(cid, -1), "head")
+    return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -556,7 +565,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
 }
 CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True),
-                     "fedcac": Rule(fedcac, True)})  # issue 46: Methods II
+                     "fedcac": Rule(fedcac, True), "gpfl": Rule(gpfl, True)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
