@@ -496,6 +496,22 @@ def gpfl(parts: Parts, cid: int) -> Expected:
     return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
 
 
+def fedcp(parts: Parts, cid: int) -> Expected:
+    """Global body, CPN and global head: the FedAvg of the uploads, each the trained body and CPN
+    and a * trained head + (1 - a) * the global head it downloaded; + the head of the client's
+    last Fit; prediction through the policy network (its `predict`)."""
+    share, uploads = parts.algorithm.hyper.head_upload_share, []
+    for j in range(NUM_CLIENTS):
+        trained, received = parts.trained(j, -1), parts.download(j)["params"]
+        weight_name, bias_name = linear_layer_names(select(trained, "head"), "head")
+        upload = {n: trained[n] for n in received if not n.startswith("fedcp_head.")}
+        upload["fedcp_head.weight"] = share * trained[weight_name] + (1.0 - share) * received["fedcp_head.weight"]
+        upload["fedcp_head.bias"] = share * trained[bias_name] + (1.0 - share) * received["fedcp_head.bias"]
+        uploads.append(upload)
+    shared, head = weighted_mean(uploads, parts.sizes), select(parts.trained(cid, -1), "head")
+    return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -565,7 +581,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
 }
 CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True),
-                     "fedcac": Rule(fedcac, True), "gpfl": Rule(gpfl, True)})  # issue 46: Methods II
+                     "fedcac": Rule(fedcac, True), "gpfl": Rule(gpfl, True),
+                     "fedcp": Rule(fedcp, True)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
