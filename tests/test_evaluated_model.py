@@ -512,6 +512,26 @@ def fedcp(parts: Parts, cid: int) -> Expected:
     return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
 
 
+def pfedfda(parts: Parts, cid: int) -> Expected:
+    """Own trained body + the Bayes rule of the client's adaptive Gaussians (its state: computed on
+    the client from its features) with its class priors: W = S~^-1 mu, b = -(mu ⊙ W) 1 / 2 + log pi,
+    S~ = (1 - eps) S + eps tr(S)/d I, pi = (n_c / n + eps) normalised."""
+    algorithm, client = parts.algorithm, parts.clients[cid]
+    eps, means, covariance = algorithm.hyper.eps, client["means"], client["covariance"]
+    dim = covariance.shape[0]
+    weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
+    counts = torch.as_tensor(np.asarray(algorithm.setup.train_counts[cid]), dtype=torch.float32)
+    priors = counts / counts.sum() + eps
+    bias = -0.5 * (means * weight).sum(dim=1) + (priors / priors.sum()).log()
+    weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
+    return Expected(merge(select(parts.trained(cid, -1), "body"), {weight_name: weight, bias_name: bias}))
+
+
+def pfedfda_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    """The authors evaluate the head with the averaged body: here the client's own body is."""
+    return {"the averaged body": lambda cid: Expected(merge(averaged(parts, "body"), select(pfedfda(parts, cid).params, "head")))}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -582,7 +602,7 @@ CUSTOM_RULES: dict[str, Rule] = {
 }
 CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True),
                      "fedcac": Rule(fedcac, True), "gpfl": Rule(gpfl, True),
-                     "fedcp": Rule(fedcp, True)})  # issue 46: Methods II
+                     "fedcp": Rule(fedcp, True), "pfedfda": Rule(pfedfda, True, pfedfda_wrong)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
