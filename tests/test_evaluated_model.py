@@ -501,6 +501,92 @@ def qffl(parts: Parts, cid: int) -> Expected:
     return Expected({name: (w[name] - numerator[name] / denominator).float() for name in w})
 
 
+def fedala(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models) with its top layers mixed with the client's
+    last trained model, theta_i + (theta - theta_i) ⊙ W (torch.lerp), W as the round's last ALA Fit
+    (the one before the local training) returned it ("ala_weight." extras); W = 1 (the global
+    model) when the client ran no ALA."""
+    global_, local = averaged(parts), model_only(parts.trained(cid, -1))
+    count = len(parts.rec.fits[ROUNDS, cid])
+    ala = parts.trained(cid, count - 2) if count > 1 else {}
+    weights = {name[len("ala_weight."):]: value for name, value in ala.items() if name.startswith("ala_weight.")}
+    return Expected({**global_, **{name: torch.lerp(local[name], global_[name], w) for name, w in weights.items()}})
+
+
+def feddbe(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models) whose head reads h + z̄_i: bias b + W z̄_i,
+    z̄_i the bias memory the client's last Fit returned ("dbe_memory" extra)."""
+    params, memory = averaged(parts), parts.trained(cid, -1)["dbe_memory"]
+    weight_name, bias_name = linear_layer_names(select(params, "head"), "head")
+    params[bias_name] = params[bias_name] + params[weight_name] @ memory
+    return Expected(params)
+
+
+def fedcac(parts: Parts, cid: int) -> Expected:
+    """Each tensor's critical entries (sensitivity |(after - before) ⊙ after| of the client's last
+    training at least its int(tau n)-th largest value; at most 1e-10: the smallest value above
+    1e-20) from the plain mean of the trained models of its collaborators (the recorded
+    fedcac_collaborators row), the other entries from the FedAvg of the trained models."""
+    tau, row = parts.algorithm.hyper.tau, parts.diagnostic("fedcac_collaborators")[cid]
+    peers = [j for j in range(NUM_CLIENTS) if row[j] == 1]
+    customised = weighted_mean([model_only(parts.trained(j, -1)) for j in peers], [1.0] * len(peers))
+    global_, before, after = averaged(parts), parts.request(cid, -1).params, model_only(parts.trained(cid, -1))
+    model = {}
+    for name, value in after.items():
+        sensitivity = ((value - before[name]) * value).abs()
+        ranked, count = torch.sort(sensitivity.reshape(-1), descending=True).values, int(tau * value.numel())
+        bound = float(ranked[count - 1]) if count else math.inf
+        if bound <= 1e-10 and (ranked > 1e-20).any():
+            bound = float(ranked[ranked > 1e-20].min())
+        model[name] = torch.where(sensitivity >= bound, customised[name], global_[name])
+    return Expected(model)
+
+
+def gpfl(parts: Parts, cid: int) -> Expected:
+    """Global body, CoV and GCE (FedAvg of the trained ones: the names the server shares) + the head
+    of the client's last Fit; prediction through the valve with p_i from that GCE (its `predict`)."""
+    names = list(parts.rec.servers[0]["shared"])
+    shared = weighted_mean([{n: parts.trained(j, -1)[n] for n in names} for j in range(NUM_CLIENTS)], parts.sizes)
+    head = select(parts.trained(cid, -1), "head")
+    return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
+
+
+def fedcp(parts: Parts, cid: int) -> Expected:
+    """Global body, CPN and global head: the FedAvg of the uploads, each the trained body and CPN
+    and a * trained head + (1 - a) * the global head it downloaded; + the head of the client's
+    last Fit; prediction through the policy network (its `predict`)."""
+    share, uploads = parts.algorithm.hyper.head_upload_share, []
+    for j in range(NUM_CLIENTS):
+        trained, received = parts.trained(j, -1), parts.download(j)["params"]
+        weight_name, bias_name = linear_layer_names(select(trained, "head"), "head")
+        upload = {n: trained[n] for n in received if not n.startswith("fedcp_head.")}
+        upload["fedcp_head.weight"] = share * trained[weight_name] + (1.0 - share) * received["fedcp_head.weight"]
+        upload["fedcp_head.bias"] = share * trained[bias_name] + (1.0 - share) * received["fedcp_head.bias"]
+        uploads.append(upload)
+    shared, head = weighted_mean(uploads, parts.sizes), select(parts.trained(cid, -1), "head")
+    return Expected(merge(select(shared, "body"), head), server={"shared": shared}, client={"head": head})
+
+
+def pfedfda(parts: Parts, cid: int) -> Expected:
+    """Own trained body + the Bayes rule of the client's adaptive Gaussians (its state: computed on
+    the client from its features) with its class priors: W = S~^-1 mu, b = -(mu ⊙ W) 1 / 2 + log pi,
+    S~ = (1 - eps) S + eps tr(S)/d I, pi = (n_c / n + eps) normalised."""
+    algorithm, client = parts.algorithm, parts.clients[cid]
+    eps, means, covariance = algorithm.hyper.eps, client["means"], client["covariance"]
+    dim = covariance.shape[0]
+    weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
+    counts = torch.as_tensor(np.asarray(algorithm.setup.train_counts[cid]), dtype=torch.float32)
+    priors = counts / counts.sum() + eps
+    bias = -0.5 * (means * weight).sum(dim=1) + (priors / priors.sum()).log()
+    weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
+    return Expected(merge(select(parts.trained(cid, -1), "body"), {weight_name: weight, bias_name: bias}))
+
+
+def pfedfda_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    """The authors evaluate the head with the averaged body: here the client's own body is."""
+    return {"the averaged body": lambda cid: Expected(merge(averaged(parts, "body"), select(pfedfda(parts, cid).params, "head")))}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -689,6 +775,9 @@ CUSTOM_RULES.update({
     "feddyn": Rule(feddyn, True, server_step_left_out),
     "fednova": Rule(fednova, True, server_step_left_out),
 })
+CUSTOM_RULES.update({"fedala": Rule(fedala, True), "feddbe": Rule(feddbe, True),
+                     "fedcac": Rule(fedcac, True), "gpfl": Rule(gpfl, True),
+                     "fedcp": Rule(fedcp, True), "pfedfda": Rule(pfedfda, True, pfedfda_wrong)})  # issue 46: Methods II
 
 
 def rule_for(algorithm: type[Algorithm]) -> Rule:
