@@ -305,6 +305,21 @@ def apfl(parts: Parts, cid: int) -> Expected:
     return Expected(interpolate(w, personal, alpha))
 
 
+def fedphp(parts: Parts, cid: int) -> Expected:
+    """The inherited model: v = w_1 after round 1, then v <- mu_t v + (1 - mu_t) w_t with mu_t =
+    min(m (t - 1) / T, m) (every client takes part in every round, so both schedules give this),
+    w_t the model the client's Fit of round t returned; evaluate_with=local: w_R itself."""
+    hyper, trained = parts.algorithm.hyper, model_only(parts.trained(cid, -1))
+    if hyper.evaluate_with == "local":
+        return Expected(trained)
+    inherited = model_only(parts.rec.fits[1, cid][-1][1])
+    for rnd in range(2, ROUNDS + 1):
+        latest = trained if rnd == ROUNDS else model_only(parts.rec.fits[rnd, cid][-1][1])
+        mu = min(hyper.momentum * (rnd - 1) / ROUNDS, hyper.momentum)
+        inherited = interpolate(latest, inherited, mu)
+    return Expected(inherited)
+
+
 def perfedavg(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
@@ -513,6 +528,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
+    "fedphp": Rule(fedphp, False, downloaded_model),
 }
 
 
