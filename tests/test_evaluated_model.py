@@ -320,6 +320,29 @@ def fedphp(parts: Parts, cid: int) -> Expected:
     return Expected(inherited)
 
 
+def apple(parts: Parts, cid: int) -> Expected:
+    """sum_j p_ij w_j in client order: p_i and the own core w_i as the last Fit returned them, the
+    other cores as the client downloaded them (its Fit's "core<j>." extras)."""
+    trained = parts.trained(cid, -1)
+    return Expected(dr_mixture(trained, lambda j: {name[len(f"core{j}."):]: value for name, value in trained.items()
+                                                   if name.startswith(f"core{j}.")}, cid))
+
+
+def dr_mixture(trained: Params, others: Callable[[int], Params], cid: int) -> Params:
+    """APPLE's sum_j p_j w_j with p and the own core from `trained`, the other cores from `others`."""
+    from pfedkit.core.params import WeightedSum
+
+    total, p = WeightedSum(), trained["dr"]
+    for j in range(NUM_CLIENTS):
+        total.add(model_only(trained) if j == cid else others(j), float(p[j]))
+    return total.total
+
+
+def apple_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the other clients' cores as the server holds them after the round (not as downloaded)":
+            lambda cid: Expected(dr_mixture(parts.trained(cid, -1), lambda j: parts.server["cores"][j], cid))}
+
+
 def perfedavg(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
@@ -529,6 +552,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "fedphp": Rule(fedphp, False, downloaded_model),
+    "apple": Rule(apple, False, apple_wrong),
 }
 
 
