@@ -317,6 +317,44 @@ def apfl(parts: Parts, cid: int) -> Expected:
     return Expected(interpolate(w, personal, alpha))
 
 
+def fedphp(parts: Parts, cid: int) -> Expected:
+    """The inherited model: v = w_1 after round 1, then v <- mu_t v + (1 - mu_t) w_t with mu_t =
+    min(m (t - 1) / T, m) (every client takes part in every round, so both schedules give this),
+    w_t the model the client's Fit of round t returned; evaluate_with=local: w_R itself."""
+    hyper, trained = parts.algorithm.hyper, model_only(parts.trained(cid, -1))
+    if hyper.evaluate_with == "local":
+        return Expected(trained)
+    inherited = model_only(parts.rec.fits[1, cid][-1][1])
+    for rnd in range(2, ROUNDS + 1):
+        latest = trained if rnd == ROUNDS else model_only(parts.rec.fits[rnd, cid][-1][1])
+        mu = min(hyper.momentum * (rnd - 1) / ROUNDS, hyper.momentum)
+        inherited = interpolate(latest, inherited, mu)
+    return Expected(inherited)
+
+
+def apple(parts: Parts, cid: int) -> Expected:
+    """sum_j p_ij w_j in client order: p_i and the own core w_i as the last Fit returned them, the
+    other cores as the client downloaded them (its Fit's "core<j>." extras)."""
+    trained = parts.trained(cid, -1)
+    return Expected(dr_mixture(trained, lambda j: {name[len(f"core{j}."):]: value for name, value in trained.items()
+                                                   if name.startswith(f"core{j}.")}, cid))
+
+
+def dr_mixture(trained: Params, others: Callable[[int], Params], cid: int) -> Params:
+    """APPLE's sum_j p_j w_j with p and the own core from `trained`, the other cores from `others`."""
+    from pfedkit.core.params import WeightedSum
+
+    total, p = WeightedSum(), trained["dr"]
+    for j in range(NUM_CLIENTS):
+        total.add(model_only(trained) if j == cid else others(j), float(p[j]))
+    return total.total
+
+
+def apple_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the other clients' cores as the server holds them after the round (not as downloaded)":
+            lambda cid: Expected(dr_mixture(parts.trained(cid, -1), lambda j: parts.server["cores"][j], cid))}
+
+
 def perfedavg(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
@@ -765,6 +803,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "qffl": Rule(qffl, True),
+    "fedphp": Rule(fedphp, False, downloaded_model),
+    "apple": Rule(apple, False, apple_wrong),
 }
 CUSTOM_RULES.update({
     "fedavgm": Rule(fedavgm, True, server_step_left_out),
