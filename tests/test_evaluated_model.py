@@ -389,6 +389,19 @@ def fedproto(parts: Parts, cid: int) -> Expected:
     return Expected(params, server=parts.server, client={"params": params})
 
 
+def fedpcl(parts: Parts, cid: int) -> Expected:
+    """Own trained model; prediction by the nearest local prototype: per class, the mean of the
+    L2-normalised body outputs of that model on the client's training data."""
+    params, data = model_only(parts.trained(cid, -1)), parts.rec.runtime.data.clients[cid]
+    features = parts.algorithm.setup.ops.features(params, data.x_train, parts.rec.evaluated[ROUNDS, cid][1])
+    features = torch.nn.functional.normalize(features.double(), dim=1)
+    prototypes = torch.zeros(parts.algorithm.setup.num_classes, features.shape[1], dtype=torch.float64)
+    for label in data.y_train.unique().tolist():
+        prototypes[label] = features[data.y_train == label].mean(dim=0)
+    present = torch.bincount(data.y_train, minlength=prototypes.shape[0]) > 0
+    return Expected(params, client={"params": params, "prototypes": prototypes.float(), "present": present})
+
+
 def rpfedpm(parts: Parts, cid: int) -> Expected:
     """Own trained model; prediction by the relation module psi trained in the client's last round
     against that round's class features (its mixed features, global ones where it has none)."""
@@ -471,6 +484,13 @@ def cwfedavg_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the uniform class mix (the initial p~)": lambda cid: uniform_class_mix(parts)}
 
 
+def fedpcl_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def global_prototypes(cid: int) -> Expected:  # no local prototype: predict falls back to the global ones
+        expected = fedpcl(parts, cid)
+        return with_client(expected, present=torch.zeros_like(expected.client["present"]))
+    return {"the global prototypes instead of the client's local ones": global_prototypes}
+
+
 def rpfedpm_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     before = parts.before
     return {"psi before its training in the last round":
@@ -513,6 +533,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
+    "fedpcl": Rule(fedpcl, False, fedpcl_wrong),
 }
 
 
