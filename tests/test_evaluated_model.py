@@ -402,6 +402,18 @@ def fedpcl(parts: Parts, cid: int) -> Expected:
     return Expected(params, client={"params": params, "prototypes": prototypes.float(), "present": present})
 
 
+def pfedhn(parts: Parts, cid: int) -> Expected:
+    """What the server's hypernetwork (after the last update) generates from the client's embedding:
+    an MLP (ReLU between its Linear layers) on row cid of the table, one linear head per tensor."""
+    hn, linear = parts.server["hn"], torch.nn.functional.linear
+    feature, layers = hn["embeddings"][cid], sum(1 for name in hn if name.startswith("mlp.") and name.endswith("weight"))
+    for k in range(layers):
+        feature = linear(feature, hn[f"mlp.{k}.weight"], hn[f"mlp.{k}.bias"])
+        feature = torch.relu(feature) if k < layers - 1 else feature
+    return Expected({name: linear(feature, hn[f"out.{name}.weight"], hn[f"out.{name}.bias"]).reshape(value.shape)
+                     for name, value in parts.initial.items()})
+
+
 def rpfedpm(parts: Parts, cid: int) -> Expected:
     """Own trained model; prediction by the relation module psi trained in the client's last round
     against that round's class features (its mixed features, global ones where it has none)."""
@@ -533,7 +545,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
-    "fedpcl": Rule(fedpcl, False, fedpcl_wrong),
+    "fedpcl": Rule(fedpcl, False, fedpcl_wrong), "pfedhn": Rule(pfedhn, True),
 }
 
 
