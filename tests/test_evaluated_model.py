@@ -414,6 +414,23 @@ def pfedhn(parts: Parts, cid: int) -> Expected:
                      for name, value in parts.initial.items()})
 
 
+def pfedla(parts: Parts, cid: int) -> Expected:
+    """Client cid's mixture of every client's stored model (after the last update), one weight per
+    client and module: its own hypernetwork's MLP (a ReLU after each Linear) on its embedding,
+    then per module ReLU(W f + b), divided by its sum."""
+    hn, models, linear = parts.server["hn"], parts.server["models"], torch.nn.functional.linear
+    feature, depth = hn["embeddings"][cid], sum(1 for name in hn if name.startswith("mlp.") and name.endswith("weight"))
+    for k in range(depth):
+        feature = torch.relu(linear(feature, hn[f"mlp.{k}.weight"][cid], hn[f"mlp.{k}.bias"][cid]))
+    mixed = {}
+    for name in parts.initial:
+        module = name.rsplit(".", 1)[0]
+        weights = torch.relu(linear(feature, hn[f"out.{module}.weight"][cid], hn[f"out.{module}.bias"][cid]))
+        weights = weights / weights.sum()
+        mixed[name] = sum(weights[j] * models[name][j] for j in range(len(weights)))
+    return Expected(mixed)
+
+
 def rpfedpm(parts: Parts, cid: int) -> Expected:
     """Own trained model; prediction by the relation module psi trained in the client's last round
     against that round's class features (its mixed features, global ones where it has none)."""
@@ -546,6 +563,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "fedpcl": Rule(fedpcl, False, fedpcl_wrong), "pfedhn": Rule(pfedhn, True),
+    "pfedla": Rule(pfedla, True),
 }
 
 
