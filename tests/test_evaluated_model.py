@@ -404,13 +404,16 @@ def fedpcl(parts: Parts, cid: int) -> Expected:
 
 def pfedhn(parts: Parts, cid: int) -> Expected:
     """What the server's hypernetwork (after the last update) generates from the client's embedding:
-    an MLP (ReLU between its Linear layers) on row cid of the table, one linear head per tensor."""
+    an MLP (ReLU between its Linear layers) on row cid of the table, one linear head per generated
+    tensor; the rest (pFedHN-PC: the head) from the client's own state."""
     hn, linear = parts.server["hn"], torch.nn.functional.linear
     feature, layers = hn["embeddings"][cid], sum(1 for name in hn if name.startswith("mlp.") and name.endswith("weight"))
     for k in range(layers):
         feature = linear(feature, hn[f"mlp.{k}.weight"], hn[f"mlp.{k}.bias"])
         feature = torch.relu(feature) if k < layers - 1 else feature
-    return Expected({name: linear(feature, hn[f"out.{name}.weight"], hn[f"out.{name}.bias"]).reshape(value.shape)
+    own = parts.clients[cid]["head"] if parts.clients[cid] else {}
+    return Expected({name: own[name] if name in own else
+                     linear(feature, hn[f"out.{name}.weight"], hn[f"out.{name}.bias"]).reshape(value.shape)
                      for name, value in parts.initial.items()})
 
 

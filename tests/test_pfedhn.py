@@ -1,7 +1,8 @@
 """pFedHN: a client's generated model depends on its own embedding only, the server's update is the
 vector-Jacobian product of the client's Delta theta, clipped, then SGD with momentum and weight
 decay (by hand on a tiny hypernetwork), it moves the generated model towards the trained one, the
-client uploads theta - theta~ after k steps, and a short digits run (bytes)."""
+client uploads theta - theta~ after k steps, pFedHN-PC keeps and trains the client's own head, and
+short digits runs (bytes)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +14,7 @@ from torch import nn
 from pfedkit.algorithms.pfedhn import PFedHN, generate_model
 from pfedkit.core.contract import ClientData, Setup
 from pfedkit.core.model_ops import ModelOps
+from pfedkit.core.params import select
 from pfedkit.models.base import BodyHeadModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -141,9 +143,35 @@ def test_client_trains_k_steps_from_the_generated_model_and_uploads_theta_minus_
     assert same(reply["delta"], {n: message["params"][n] - trained[n] for n in trained})
 
 
-def test_pfedhn_learns_on_digits_with_the_model_both_ways(small_config):
-    config = {**small_config, "algorithm": "pfedhn", "rounds": 6, "pfedhn": {"inner_steps": 20}}
+def test_pfedhn_pc_generates_the_body_and_the_client_keeps_and_trains_its_own_head():
+    algo = tiny_algorithm(personal_head=True, inner_steps=3)
+    initial = algo.setup.ops.initial_params()
+    server = algo.init_server(initial)
+    assert not any(name.startswith("out.head.") for name in server["hn"])  # no head is generated
+    client = algo.init_client(1, initial)
+    assert same(client["head"], select(initial, "head"))
+    message = algo.broadcast(1, server, [1])[1]
+    assert set(message["params"]) == {"body.fc1.weight", "body.fc1.bias"}
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(8))
+    data = ClientData(1, x, torch.tensor([0, 1, 2, 0, 1]), x, torch.tensor([0, 1, 2, 0, 1]), np.array([2, 2, 1]))
+    update = algo.client_update(1, 1, client, message, data)
+    request = next(update)
+    assert same(request.params, {**message["params"], **client["head"]}) and request.trainable == "all"
+    trained = {n: v * 0.5 for n, v in request.params.items()}
+    with pytest.raises(StopIteration) as stop:
+        update.send(trained)
+    state, reply = stop.value.value
+    assert same(state["head"], select(trained, "head"))  # the trained head stays on the client
+    assert same(reply["delta"], {n: message["params"][n] - trained[n] for n in message["params"]})
+    assert same(algo.client_model(1, server, state), {**message["params"], **state["head"]})
+
+
+@pytest.mark.parametrize("personal_head", [False, True])
+def test_pfedhn_learns_on_digits_with_the_model_both_ways(small_config, personal_head):
+    config = {**small_config, "algorithm": "pfedhn", "rounds": 6,
+              "pfedhn": {"inner_steps": 20, "personal_head": personal_head}}
     result, metrics, state = learned_run(config)
-    model = 4 * sum(v.numel() for n, v in state.server["hn"].items() if n.startswith("out.") and n.endswith(".bias"))
-    assert (metrics["bytes_down"] == model).all() and (metrics["bytes_up"] == model).all()
+    generated = 4 * sum(v.numel() for n, v in state.server["hn"].items() if n.startswith("out.") and n.endswith(".bias"))
+    assert (metrics["bytes_down"] == generated).all() and (metrics["bytes_up"] == generated).all()
     assert num_parameters(state.server["momentum"]) == num_parameters(state.server["hn"])
+    assert all((set(client) == {"head"}) if personal_head else client is None for client in state.clients)

@@ -24,6 +24,9 @@ Server state: the hypernetwork and its SGD momentum. Client state: none. Evaluat
 generated model h(v_i; phi) after the round's update (what the client would download next;
 `evaluated_model = "custom"`). A client that never trained gets the model of its untrained
 embedding. Communication: the whole model down, Delta theta up.
+pFedHN-PC (`personal_head`): the hypernetwork generates the body only; the client trains the
+generated body with its own head (kept as its state, never sent), uploads the body's Delta, and
+is evaluated with the generated body and its head.
 Size: with the paper's H = 100, the output heads hold (H + 1) x |theta| numbers: ~1.5M for the
 digits MLP, ~58.8M (235 MB, as much again for the momentum) for FedAvgCNN on MNIST (582,026).
 """
@@ -39,7 +42,7 @@ from pydantic import Field
 from pfedkit.algorithms.creff import fresh_linear
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
-from pfedkit.core.params import Params
+from pfedkit.core.params import Params, clone, merge, select
 from pfedkit.core.search import float_range, int_range
 from pfedkit.core.seeds import SERVER, torch_generator
 
@@ -136,6 +139,8 @@ class PFedHN(Algorithm):
         max_grad_norm: clip of each update's gradient norm (50) [code].
         server_steps: "per_client" (one step per participant, client order) [ours: the paper's
             one client per step, in sequence]; "mean" (one step with the mean VJP) [ours].
+        personal_head: pFedHN-PC [paper, code: `experiments/pfedhn_pc`]: the hypernetwork
+            generates the body only; each client keeps its head, trained with the body.
         """
         inner_steps: int = Field(50, ge=1, description="k: local mini-batches per round",
                                  json_schema_extra=int_range(5, 100, log=True))
@@ -149,10 +154,13 @@ class PFedHN(Algorithm):
         max_grad_norm: float = Field(50.0, gt=0, description="clip of each hypernetwork update's gradient norm")
         server_steps: Literal["per_client", "mean"] = Field(
             "per_client", description="one hypernetwork step per participant, or one with the mean gradient")
+        personal_head: bool = Field(False, description="pFedHN-PC: generate the body only; each client keeps its own head")
 
     def __init__(self, hyper: HyperParams, setup) -> None:
         super().__init__(hyper, setup)
-        self.targets = {name: value.shape for name, value in setup.ops.initial_params().items()}
+        params = setup.ops.initial_params()
+        generated = select(params, "body") if hyper.personal_head else params
+        self.targets = {name: value.shape for name, value in generated.items()}
 
     @property
     def embed_dim(self) -> int:
@@ -165,13 +173,20 @@ class PFedHN(Algorithm):
         momentum = {name: torch.zeros_like(value) for name, value in hn.items()} if h.hn_momentum else {}
         return {"hn": hn, "momentum": momentum}
 
+    def init_client(self, cid: int, params: Params) -> dict[str, Params] | None:
+        """pFedHN-PC: the client's own head, from the initial model; else nothing."""
+        return {"head": clone(select(params, "head"))} if self.hyper.personal_head else None
+
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        return {cid: {"params": self.client_model(cid, server, None)} for cid in cids}
+        return {cid: {"params": self.generated(cid, server)} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
-        """k local steps from the generated model; upload Delta theta = theta - theta~."""
+        """k local steps from the generated model (with its own head, pFedHN-PC); upload
+        Delta theta = theta - theta~ of the generated tensors."""
         received = message["params"]
-        trained = yield Fit(received, steps=self.hyper.inner_steps)
+        trained = yield Fit(self.with_own_head(received, client), steps=self.hyper.inner_steps)
+        if self.hyper.personal_head:
+            client = {"head": select(trained, "head")}
         return client, {"delta": {name: received[name] - trained[name] for name in received}}
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:
@@ -199,7 +214,14 @@ class PFedHN(Algorithm):
         return sgd_momentum_step(hn, clip_by_total_norm(grads, h.max_grad_norm), buffers, h.hn_lr, h.hn_momentum,
                                  h.hn_weight_decay)
 
-    def client_model(self, cid: int, server: dict, client: Any) -> Params:
+    def generated(self, cid: int, server: dict) -> Params:
         """h(v_cid; phi), from the current hypernetwork."""
         with torch.no_grad():
             return generate_model(server["hn"], cid, self.targets)
+
+    def with_own_head(self, generated: Params, client: Any) -> Params:
+        return merge(generated, client["head"]) if self.hyper.personal_head else generated
+
+    def client_model(self, cid: int, server: dict, client: Any) -> Params:
+        """h(v_cid; phi), with the client's own head in pFedHN-PC."""
+        return self.with_own_head(self.generated(cid, server), client)
