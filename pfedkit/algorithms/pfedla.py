@@ -141,7 +141,7 @@ class PFedLA(Algorithm):
         granularity: Literal["layer", "tensor"] = Field(
             "layer", description="one aggregation weight per layer (module) or per parameter tensor")
         update_direction: Literal["towards_trained", "fl_bench"] = Field(
-            "towards_trained", description="hypernetwork step along -J^T Delta (descent) or +J^T Delta (code)")
+            "towards_trained", description="hypernetwork step along +J^T Delta (towards the trained model) or -J^T Delta (the codes')")
 
     def __init__(self, hyper: HyperParams, setup) -> None:
         super().__init__(hyper, setup)
