@@ -12,7 +12,7 @@ import torch
 from conftest import learned_run, num_parameters
 from torch import nn
 
-from pfedkit.algorithms.pfedla import PFedLA, layer_groups, relu_normalised
+from pfedkit.algorithms.pfedla import PFedLA, aggregation_weights, client_hypernetwork, layer_groups, relu_normalised
 from pfedkit.core.aggregation import fedavg_aggregate
 from pfedkit.core.contract import ClientData, Setup
 from pfedkit.core.model_ops import ModelOps
@@ -56,7 +56,6 @@ def same(a: dict, b: dict) -> bool:
 
 
 def weights_of(algo: PFedLA, server: dict, cid: int) -> dict:
-    from pfedkit.algorithms.pfedla import aggregation_weights, client_hypernetwork
     return aggregation_weights(client_hypernetwork(server["hn"], cid), cid, list(algo.groups), algo.hyper.normalisation)
 
 
