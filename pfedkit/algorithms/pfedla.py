@@ -135,7 +135,7 @@ class PFedLA(Algorithm):
         hidden_dim: int = Field(100, ge=1, description="hypernetwork hidden width")
         hidden_layers: int = Field(3, ge=1, description="Linear-ReLU blocks of the hypernetwork's MLP")
         hn_lr: float = Field(5e-3, ge=0, description="SGD learning rate of each client's hypernetwork",
-                             json_schema_extra=float_range(1e-3, 1e-1, log=True))
+                             json_schema_extra=float_range(1e-3, 1.0, log=True))
         normalisation: Literal["relu", "softmax"] = Field(
             "relu", description="alpha: ReLU then divided by the sum, or softmax")
         granularity: Literal["layer", "tensor"] = Field(
