@@ -465,6 +465,51 @@ def fedproto(parts: Parts, cid: int) -> Expected:
     return Expected(params, server=parts.server, client={"params": params})
 
 
+def fedpcl(parts: Parts, cid: int) -> Expected:
+    """Own trained model; prediction by the nearest local prototype: per class, the mean of the
+    L2-normalised body outputs of that model on the client's training data."""
+    params, data = model_only(parts.trained(cid, -1)), parts.rec.runtime.data.clients[cid]
+    features = parts.algorithm.setup.ops.features(params, data.x_train, parts.rec.evaluated[ROUNDS, cid][1])
+    features = torch.nn.functional.normalize(features.double(), dim=1)
+    prototypes = torch.zeros(parts.algorithm.setup.num_classes, features.shape[1], dtype=torch.float64)
+    for label in data.y_train.unique().tolist():
+        prototypes[label] = features[data.y_train == label].mean(dim=0)
+    present = torch.bincount(data.y_train, minlength=prototypes.shape[0]) > 0
+    return Expected(params, client={"params": params, "prototypes": prototypes.float(), "present": present})
+
+
+def pfedhn(parts: Parts, cid: int) -> Expected:
+    """What the server's hypernetwork (after the last update) generates from the client's embedding:
+    an MLP (ReLU between its Linear layers) on row cid of the table, one linear head per generated
+    tensor; the rest (pFedHN-PC: the head) from the client's own state."""
+    hn, linear = parts.server["hn"], torch.nn.functional.linear
+    feature, layers = hn["embeddings"][cid], sum(1 for name in hn if name.startswith("mlp.") and name.endswith("weight"))
+    for k in range(layers):
+        feature = linear(feature, hn[f"mlp.{k}.weight"], hn[f"mlp.{k}.bias"])
+        feature = torch.relu(feature) if k < layers - 1 else feature
+    own = parts.clients[cid]["head"] if parts.clients[cid] else {}
+    return Expected({name: own[name] if name in own else
+                     linear(feature, hn[f"out.{name}.weight"], hn[f"out.{name}.bias"]).reshape(value.shape)
+                     for name, value in parts.initial.items()})
+
+
+def pfedla(parts: Parts, cid: int) -> Expected:
+    """Client cid's mixture of every client's stored model (after the last update), one weight per
+    client and module: its own hypernetwork's MLP (a ReLU after each Linear) on its embedding,
+    then per module ReLU(W f + b), divided by its sum."""
+    hn, models, linear = parts.server["hn"], parts.server["models"], torch.nn.functional.linear
+    feature, depth = hn["embeddings"][cid], sum(1 for name in hn if name.startswith("mlp.") and name.endswith("weight"))
+    for k in range(depth):
+        feature = torch.relu(linear(feature, hn[f"mlp.{k}.weight"][cid], hn[f"mlp.{k}.bias"][cid]))
+    mixed = {}
+    for name in parts.initial:
+        module = name.rsplit(".", 1)[0]
+        weights = torch.relu(linear(feature, hn[f"out.{module}.weight"][cid], hn[f"out.{module}.bias"][cid]))
+        weights = weights / weights.sum()
+        mixed[name] = sum(weights[j] * models[name][j] for j in range(len(weights)))
+    return Expected(mixed)
+
+
 def rpfedpm(parts: Parts, cid: int) -> Expected:
     """Own trained model; prediction by the relation module psi trained in the client's last round
     against that round's class features (its mixed features, global ones where it has none)."""
@@ -662,6 +707,13 @@ def cwfedavg_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the uniform class mix (the initial p~)": lambda cid: uniform_class_mix(parts)}
 
 
+def fedpcl_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def global_prototypes(cid: int) -> Expected:  # no local prototype: predict falls back to the global ones
+        expected = fedpcl(parts, cid)
+        return with_client(expected, present=torch.zeros_like(expected.client["present"]))
+    return {"the global prototypes instead of the client's local ones": global_prototypes}
+
+
 def rpfedpm_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     before = parts.before
     return {"psi before its training in the last round":
@@ -805,6 +857,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "qffl": Rule(qffl, True),
     "fedphp": Rule(fedphp, False, downloaded_model),
     "apple": Rule(apple, False, apple_wrong),
+    "fedpcl": Rule(fedpcl, False, fedpcl_wrong), "pfedhn": Rule(pfedhn, True),
+    "pfedla": Rule(pfedla, True),
 }
 CUSTOM_RULES.update({
     "fedavgm": Rule(fedavgm, True, server_step_left_out),
