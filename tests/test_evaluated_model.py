@@ -446,6 +446,28 @@ def cwfedavg(parts: Parts, cid: int) -> Expected:
     return Expected({**shared, **personalised_model(parts.server["class_wise"], mixing)})
 
 
+def knnper(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), predicting with the client's datastore: the
+    embeddings of its training set under the model it downloaded in the last round (with the
+    buffers it is evaluated with) and the training labels."""
+    data, buffers = parts.rec.runtime.data.clients[cid], parts.rec.evaluated[ROUNDS, cid][1]
+    keys = parts.algorithm.setup.ops.features(parts.download(cid)["params"], data.x_train, buffers)
+    return Expected(averaged(parts), client={"keys": keys, "labels": data.y_train})
+
+
+def knnper_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def memory_of(model: Callable[[int], Params]) -> Callable[[int], Expected]:
+        def assemble(cid: int) -> Expected:
+            right, data = knnper(parts, cid), parts.rec.runtime.data.clients[cid]
+            keys = parts.algorithm.setup.ops.features(model(cid), data.x_train, parts.rec.evaluated[ROUNDS, cid][1])
+            return with_client(right, keys=keys)
+        return assemble
+
+    return {"no datastore (the global model alone)":
+            lambda cid: with_client(knnper(parts, cid), keys=None, labels=None),
+            "a datastore built with the client's trained model": memory_of(lambda cid: parts.trained(cid, -1))}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -513,6 +535,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
+    "knnper": Rule(knnper, True, knnper_wrong),
 }
 
 
