@@ -468,6 +468,27 @@ def knnper_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
             "a datastore built with the client's trained model": memory_of(lambda cid: parts.trained(cid, -1))}
 
 
+def floco(parts: Parts, cid: int) -> Expected:
+    """The n_i-weighted mean of the trained models and simplex vertices, with the output weight at
+    the client's point beta_i of the simplex (server math: read from the server state), or at the
+    centre before the projection: sum_m beta_m W_m, W_0 the output weight, W_m the "vertex.m" extras."""
+    mean = weighted_mean([parts.trained(j, -1) for j in range(NUM_CLIENTS)], parts.sizes)
+    count = parts.algorithm.hyper.num_endpoints
+    names = [linear_layer_names(select(parts.initial, "head"), "head")[0]] + [f"vertex.{m}" for m in range(1, count)]
+    points = parts.server["points"]
+    beta = [1.0 / count] * count if points is None or np.isnan(points[cid]).any() else [float(b) for b in points[cid]]
+    weight = beta[0] * mean[names[0]]
+    for b, name in zip(beta[1:], names[1:]):
+        weight = weight + b * mean[name]
+    return Expected({**model_only(mean), names[0]: weight})
+
+
+def floco_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def at_centre(cid: int) -> Expected:
+        return floco(replace(parts, server={**parts.server, "points": None}), cid)
+    return {"the output weight at the centre of the simplex instead of the client's point": at_centre}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -536,6 +557,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "knnper": Rule(knnper, True, knnper_wrong),
+    "floco": Rule(floco, True, floco_wrong),
 }
 
 
