@@ -489,6 +489,17 @@ def floco_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the output weight at the centre of the simplex instead of the client's point": at_centre}
 
 
+def superfed(parts: Parts, cid: int) -> Expected:
+    """After a mixing round: (1 - lam_eval) w_f + lam_eval w_l with w_f the FedAvg of the trained
+    federated models and w_l the client's personal model ("personal." extras of its last Fit);
+    before (no personal extras in the Fit): the federated model."""
+    trained, federated = parts.trained(cid, -1), averaged(parts)
+    if "personal." + next(iter(federated)) not in trained:
+        return Expected(federated)
+    personal = {name: trained["personal." + name] for name in federated}
+    return Expected(interpolate(federated, personal, parts.algorithm.hyper.eval_lambda))
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -558,6 +569,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "knnper": Rule(knnper, True, knnper_wrong),
     "floco": Rule(floco, True, floco_wrong),
+    "superfed": Rule(superfed, True),
 }
 
 
