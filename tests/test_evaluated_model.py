@@ -500,6 +500,14 @@ def superfed(parts: Parts, cid: int) -> Expected:
     return Expected(interpolate(federated, personal, parts.algorithm.hyper.eval_lambda))
 
 
+def pfedsim(parts: Parts, cid: int) -> Expected:
+    """During the warm-up the FedAvg of the trained models; after it the client's own model as its
+    last Fit returned it (the server stores it; the download mixed only its body)."""
+    if parts.algorithm.warming_up(ROUNDS):
+        return Expected(averaged(parts))
+    return Expected(model_only(parts.trained(cid, -1)))
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -570,6 +578,7 @@ CUSTOM_RULES: dict[str, Rule] = {
     "knnper": Rule(knnper, True, knnper_wrong),
     "floco": Rule(floco, True, floco_wrong),
     "superfed": Rule(superfed, True),
+    "pfedsim": Rule(pfedsim, False, downloaded_model),
 }
 
 
