@@ -95,10 +95,10 @@ def regulariser_gradients(f, l, g, mu, nu, proximal):
     return grad_f, grad_l
 
 
-@pytest.mark.parametrize("proximal", ["squared", "layer_norms"])
-def test_mixing_steps_match_a_hand_computation(proximal):
+@pytest.mark.parametrize("proximal,mixing", [("squared", "model"), ("layer_norms", "model"), ("squared", "layer")])
+def test_mixing_steps_match_a_hand_computation(proximal, mixing):
     lr, mu, nu = 0.3, 0.2, 0.7
-    algo = algorithm(rounds=10, mix_start=0.0, mu=mu, nu=nu, proximal=proximal)
+    algo = algorithm(rounds=10, mix_start=0.0, mu=mu, nu=nu, proximal=proximal, mixing=mixing)
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(8, 3, generator=g), torch.randint(0, 3, (8,), generator=g)
     data = ClientData(1, x, y, x[:2], y[:2], np.bincount(y.numpy(), minlength=3))
@@ -116,12 +116,18 @@ def test_mixing_steps_match_a_hand_computation(proximal):
     schedule = batch_schedule(fit, settings, len(y), torch_generator(settings.seed, 2, 1, "fit-0"))
     assert len(schedule) == 2
     for batch in schedule:
-        lam = draws()
-        grad = grad_at({n: (1 - lam) * f[n] + lam * l[n] for n in f}, x[batch], y[batch])
+        if mixing == "model":
+            lam = dict.fromkeys(f, draws())
+        else:  # one draw per layer, in the model's order; a layer's weight and bias share it
+            layers = {n.rsplit(".", 1)[0]: None for n in f}
+            by_layer = {layer: draws() for layer in layers}
+            lam = {n: by_layer[n.rsplit(".", 1)[0]] for n in f}
+            assert len(set(lam.values())) == 2
+        grad = grad_at({n: (1 - lam[n]) * f[n] + lam[n] * l[n] for n in f}, x[batch], y[batch])
         reg_f, reg_l = regulariser_gradients(f, l, anchor, mu, nu, proximal)
-        f, l = ({n: f[n] - lr * ((1 - lam) * grad[n] + reg_f[n]) for n in f},
-                {n: l[n] - lr * (lam * grad[n] + reg_l[n]) for n in l})
-    assert 0 < lam < 1
+        f, l = ({n: f[n] - lr * ((1 - lam[n]) * grad[n] + reg_f[n]) for n in f},
+                {n: l[n] - lr * (lam[n] * grad[n] + reg_l[n]) for n in l})
+    assert all(0 < value < 1 for value in lam.values())
     assert set(reply["params"]) == set(anchor) and reply["weight"] == 8  # w_l is never uploaded
     assert state["mixed"] and set(state["personal"]) == set(anchor)
     for n in f:

@@ -1,5 +1,5 @@
 """SuPerFed (Hahn, Jeong, Lee, *Connecting Low-Loss Subspace for Personalized Federated
-Learning*, KDD 2022, arXiv:2109.07628; model mixing, "SuPerFed-MM"): a federated model w_f and a
+Learning*, KDD 2022, arXiv:2109.07628; "SuPerFed-MM", and "-LM" with `mixing=layer`): a federated model w_f and a
 personal model w_l joined by a line of low-loss models, w(lam) = (1 - lam) w_f + lam w_l.
 
 Rounds 1..floor(L R) (`mix_start` = L, R the run's rounds) train the federated model alone
@@ -86,15 +86,35 @@ class LambdaSampler:
         return float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
 
+def layer_of(name: str) -> str:
+    """The module a parameter belongs to ("body.0.weight" -> "body.0")."""
+    return name.rsplit(".", 1)[0]
+
+
+def mixing_points(names: list[str], sampler: LambdaSampler, layerwise: bool) -> dict[str, float]:
+    """lam of each parameter: one draw for the whole model (SuPerFed-MM), or one per layer in the
+    order of `names` (SuPerFed-LM: a layer's weight and bias share theirs)."""
+    if not layerwise:
+        lam = sampler()
+        return {name: lam for name in names}
+    draws: dict[str, float] = {}
+    for name in names:
+        if layer_of(name) not in draws:
+            draws[layer_of(name)] = sampler()
+    return {name: draws[layer_of(name)] for name in names}
+
+
 def superfed_step(tools: StepTools, batches: list[Batch], *, sampler: LambdaSampler, anchor: Params, mu: float,
-                  nu: float, proximal: str) -> float:
+                  nu: float, proximal: str, layerwise: bool = False) -> float:
     """One mini-batch of eq. (1): the loss at w(lam), its gradient split (1 - lam) / lam between
     w_f and w_l, plus the regularisers' gradients; plain SGD. Returns the objective's value."""
     (batch,) = batches
-    params, names, lam = tools.params, tools.trainable, sampler()
+    params, names = tools.params, tools.trainable
+    lams = mixing_points(names, sampler, layerwise)
     federated = {name: params[name] for name in names}
     personal = {name: params[PERSONAL + name] for name in names}
-    loss, grad = tools.loss_and_grad(batch, at={**params, **interpolate(federated, personal, lam)})
+    mixed = {name: interpolate({name: federated[name]}, {name: personal[name]}, lams[name])[name] for name in names}
+    loss, grad = tools.loss_and_grad(batch, at={**params, **mixed})
     with torch.enable_grad():
         f = {name: t.detach().requires_grad_(True) for name, t in federated.items()}
         p = {name: t.detach().requires_grad_(True) for name, t in personal.items()}
@@ -104,7 +124,7 @@ def superfed_step(tools: StepTools, batches: list[Batch], *, sampler: LambdaSamp
     extra_f, extra_p = dict(zip(names, extra[:len(names)])), dict(zip(names, extra[len(names):]))
     with torch.no_grad():
         for name in names:
-            step_f, step_p = (1 - lam) * grad[name], lam * grad[name]
+            step_f, step_p = (1 - lams[name]) * grad[name], lams[name] * grad[name]
             if extra_f[name] is not None:
                 step_f = step_f + extra_f[name]
             if extra_p[name] is not None:
@@ -124,7 +144,8 @@ class SuPerFed(MeanOfUploads, Algorithm):
     quick_test_options = {"eval_lambda": 0.5}
 
     class Hyper(HyperParams):
-        """SuPerFed (model mixing) options: mu 0.01, nu 1 and L = 0.6 as the authors' MNIST example
+        """SuPerFed options: model mixing (MM; layer: LM, one lam per layer), mu 0.01, nu 1 and
+        L = 0.6 as the authors' MNIST example
         command; lam_eval = 1 (the personal end, as the authors' basic evaluation; their sweep
         reports the best of lam in {0, 0.1, ..., 1} on the test split); proximal: the squared
         distance [as the paper is read] or the code's sum of per-tensor norms."""
@@ -136,6 +157,9 @@ class SuPerFed(MeanOfUploads, Algorithm):
                                  "federated model only (lam = 0)", json_schema_extra=float_range(0.0, 0.9))
         eval_lambda: float = Field(1.0, ge=0, le=1, description="lam of the evaluated model w(lam) "
                                    "(1: the personal model, 0: the federated one)")
+        mixing: Literal["model", "layer"] = Field(
+            "model", description="one lam per mini-batch for the whole model (SuPerFed-MM) or one per layer "
+            "(SuPerFed-LM)", json_schema_extra=choices("model", "layer"))
         proximal: Literal["squared", "layer_norms"] = Field(
             "squared", description="P: ||w_f - w_g||^2 (paper) or the sum of per-tensor L2 norms (code)",
             json_schema_extra=choices("squared", "layer_norms"))
@@ -163,7 +187,7 @@ class SuPerFed(MeanOfUploads, Algorithm):
                                 context={"anchor": anchor})
             return client, {"params": trained, "weight": data.n_train}
         step = partial(superfed_step, sampler=LambdaSampler(torch_generator(self.setup.seed, rnd, cid, "superfed-lambda")),
-                       anchor=anchor, mu=h.mu, nu=h.nu, proximal=h.proximal)
+                       anchor=anchor, mu=h.mu, nu=h.nu, proximal=h.proximal, layerwise=h.mixing == "layer")
         trained = yield Fit(anchor, step=step, extra={PERSONAL + name: t for name, t in client["personal"].items()})
         personal = {name[len(PERSONAL):]: t for name, t in trained.items() if name.startswith(PERSONAL)}
         federated = {name: t for name, t in trained.items() if name in anchor}
