@@ -75,7 +75,7 @@ def grad_at(params, x, y):
     return dict(zip(point, torch.autograd.grad(loss, list(point.values()))))
 
 
-def regulariser_gradients(f, l, g, mu, nu, proximal):
+def hand_regulariser_gradients(f, l, g, mu, nu, proximal):
     """d/dw_f and d/dw_l of mu P(w_f, w_g) + nu cos^2(w_f, w_l), differentiated by hand:
     cos^2 = a^2 / (b c), a = <f, l>, b = ||f||^2, c = ||l||^2:
     d/df = 2 a l / (b c) - 2 a^2 f / (b^2 c), d/dl = 2 a f / (b c) - 2 a^2 l / (b c^2);
@@ -124,7 +124,7 @@ def test_mixing_steps_match_a_hand_computation(proximal, mixing):
             lam = {n: by_layer[n.rsplit(".", 1)[0]] for n in f}
             assert len(set(lam.values())) == 2
         grad = grad_at({n: (1 - lam[n]) * f[n] + lam[n] * l[n] for n in f}, x[batch], y[batch])
-        reg_f, reg_l = regulariser_gradients(f, l, anchor, mu, nu, proximal)
+        reg_f, reg_l = hand_regulariser_gradients(f, l, anchor, mu, nu, proximal)
         f, l = ({n: f[n] - lr * ((1 - lam[n]) * grad[n] + reg_f[n]) for n in f},
                 {n: l[n] - lr * (lam[n] * grad[n] + reg_l[n]) for n in l})
     assert all(0 < value < 1 for value in lam.values())

@@ -51,7 +51,8 @@ def proximity(federated: Params, anchor: Params, form: str) -> torch.Tensor:
 def squared_cosine(federated: Params, personal: Params) -> torch.Tensor:
     """cos^2(w_f, w_l) of eq. (2) over every entry: <w_f, w_l>^2 / (||w_f||^2 ||w_l||^2)."""
     inner = sum((federated[name] * personal[name]).sum() for name in federated)
-    norms = sum((federated[name] ** 2).sum() for name in federated) * sum((personal[name] ** 2).sum() for name in federated)
+    norms = (sum((federated[name] ** 2).sum() for name in federated)
+             * sum((personal[name] ** 2).sum() for name in federated))
     return inner ** 2 / norms
 
 
@@ -104,6 +105,20 @@ def mixing_points(names: list[str], sampler: LambdaSampler, layerwise: bool) -> 
     return {name: draws[layer_of(name)] for name in names}
 
 
+def regulariser_gradients(federated: Params, personal: Params, anchor: Params, *, mu: float, nu: float,
+                          proximal: str) -> tuple[float, dict, dict]:
+    """The regulariser's value and its gradients in w_f and in w_l (None where a term is off)."""
+    with torch.enable_grad():
+        f = {name: t.detach().requires_grad_(True) for name, t in federated.items()}
+        p = {name: t.detach().requires_grad_(True) for name, t in personal.items()}
+        penalty = regulariser(f, p, anchor, mu=mu, nu=nu, proximal=proximal)
+        leaves = [*f.values(), *p.values()]
+        if not penalty.requires_grad:  # mu = nu = 0
+            return float(penalty), dict.fromkeys(f), dict.fromkeys(p)
+        grads = torch.autograd.grad(penalty, leaves, allow_unused=True)
+    return float(penalty.detach()), dict(zip(f, grads[:len(f)])), dict(zip(p, grads[len(f):]))
+
+
 def superfed_step(tools: StepTools, batches: list[Batch], *, sampler: LambdaSampler, anchor: Params, mu: float,
                   nu: float, proximal: str, layerwise: bool = False) -> float:
     """One mini-batch of eq. (1): the loss at w(lam), its gradient split (1 - lam) / lam between
@@ -115,13 +130,7 @@ def superfed_step(tools: StepTools, batches: list[Batch], *, sampler: LambdaSamp
     personal = {name: params[PERSONAL + name] for name in names}
     mixed = {name: interpolate({name: federated[name]}, {name: personal[name]}, lams[name])[name] for name in names}
     loss, grad = tools.loss_and_grad(batch, at={**params, **mixed})
-    with torch.enable_grad():
-        f = {name: t.detach().requires_grad_(True) for name, t in federated.items()}
-        p = {name: t.detach().requires_grad_(True) for name, t in personal.items()}
-        penalty = regulariser(f, p, anchor, mu=mu, nu=nu, proximal=proximal)
-        leaves = [*f.values(), *p.values()]
-        extra = torch.autograd.grad(penalty, leaves, allow_unused=True) if penalty.requires_grad else [None] * len(leaves)
-    extra_f, extra_p = dict(zip(names, extra[:len(names)])), dict(zip(names, extra[len(names):]))
+    penalty, extra_f, extra_p = regulariser_gradients(federated, personal, anchor, mu=mu, nu=nu, proximal=proximal)
     with torch.no_grad():
         for name in names:
             step_f, step_p = (1 - lams[name]) * grad[name], lams[name] * grad[name]
@@ -131,7 +140,7 @@ def superfed_step(tools: StepTools, batches: list[Batch], *, sampler: LambdaSamp
                 step_p = step_p + extra_p[name]
             federated[name].sub_(tools.lr * step_f)
             personal[name].sub_(tools.lr * step_p)
-    return float(loss) + float(penalty.detach())
+    return float(loss) + penalty
 
 
 @register
@@ -186,8 +195,9 @@ class SuPerFed(MeanOfUploads, Algorithm):
             trained = yield Fit(anchor, loss=partial(proximal_loss, mu=h.mu, proximal=h.proximal),
                                 context={"anchor": anchor})
             return client, {"params": trained, "weight": data.n_train}
-        step = partial(superfed_step, sampler=LambdaSampler(torch_generator(self.setup.seed, rnd, cid, "superfed-lambda")),
-                       anchor=anchor, mu=h.mu, nu=h.nu, proximal=h.proximal, layerwise=h.mixing == "layer")
+        sampler = LambdaSampler(torch_generator(self.setup.seed, rnd, cid, "superfed-lambda"))
+        step = partial(superfed_step, sampler=sampler, anchor=anchor, mu=h.mu, nu=h.nu, proximal=h.proximal,
+                       layerwise=h.mixing == "layer")
         trained = yield Fit(anchor, step=step, extra={PERSONAL + name: t for name, t in client["personal"].items()})
         personal = {name[len(PERSONAL):]: t for name, t in trained.items() if name.startswith(PERSONAL)}
         federated = {name: t for name, t in trained.items() if name in anchor}
