@@ -128,4 +128,5 @@ def test_digits_run_learns_with_similar_clients(small_config):
     assert sorted(state.server["models"]) == [0, 1, 2, 3]
     similarity = state.server["similarity"].numpy()
     np.testing.assert_array_equal(similarity, similarity.T)
-    assert (similarity >= 0).all() and (similarity <= 1 + 1e-12).all() and (similarity[~np.eye(4, dtype=bool)] > 0).any()
+    assert (similarity >= 0).all() and (similarity <= 1 + 1e-12).all()
+    assert (similarity[~np.eye(4, dtype=bool)] > 0).any()  # some clients found similar ones
