@@ -670,6 +670,68 @@ def pfedfda_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     return {"the averaged body": lambda cid: Expected(merge(averaged(parts, "body"), select(pfedfda(parts, cid).params, "head")))}
 
 
+def knnper(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), predicting with the client's datastore: the
+    embeddings of its training set under the model it downloaded in the last round (with the
+    buffers it is evaluated with) and the training labels."""
+    data, buffers = parts.rec.runtime.data.clients[cid], parts.rec.evaluated[ROUNDS, cid][1]
+    keys = parts.algorithm.setup.ops.features(parts.download(cid)["params"], data.x_train, buffers)
+    return Expected(averaged(parts), client={"keys": keys, "labels": data.y_train})
+
+
+def knnper_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def memory_of(model: Callable[[int], Params]) -> Callable[[int], Expected]:
+        def assemble(cid: int) -> Expected:
+            right, data = knnper(parts, cid), parts.rec.runtime.data.clients[cid]
+            keys = parts.algorithm.setup.ops.features(model(cid), data.x_train, parts.rec.evaluated[ROUNDS, cid][1])
+            return with_client(right, keys=keys)
+        return assemble
+
+    return {"no datastore (the global model alone)":
+            lambda cid: with_client(knnper(parts, cid), keys=None, labels=None),
+            "a datastore built with the client's trained model": memory_of(lambda cid: parts.trained(cid, -1))}
+
+
+def floco(parts: Parts, cid: int) -> Expected:
+    """The n_i-weighted mean of the trained models and simplex vertices, with the output weight at
+    the client's point beta_i of the simplex (server math: read from the server state), or at the
+    centre before the projection: sum_m beta_m W_m, W_0 the output weight, W_m the "vertex.m" extras."""
+    mean = weighted_mean([parts.trained(j, -1) for j in range(NUM_CLIENTS)], parts.sizes)
+    count = parts.algorithm.hyper.num_endpoints
+    names = [linear_layer_names(select(parts.initial, "head"), "head")[0]] + [f"vertex.{m}" for m in range(1, count)]
+    points = parts.server["points"]
+    beta = [1.0 / count] * count if points is None or np.isnan(points[cid]).any() else [float(b) for b in points[cid]]
+    weight = beta[0] * mean[names[0]]
+    for b, name in zip(beta[1:], names[1:]):
+        weight = weight + b * mean[name]
+    return Expected({**model_only(mean), names[0]: weight})
+
+
+def floco_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def at_centre(cid: int) -> Expected:
+        return floco(replace(parts, server={**parts.server, "points": None}), cid)
+    return {"the output weight at the centre of the simplex instead of the client's point": at_centre}
+
+
+def superfed(parts: Parts, cid: int) -> Expected:
+    """After a mixing round: (1 - lam_eval) w_f + lam_eval w_l with w_f the FedAvg of the trained
+    federated models and w_l the client's personal model ("personal." extras of its last Fit);
+    before (no personal extras in the Fit): the federated model."""
+    trained, federated = parts.trained(cid, -1), averaged(parts)
+    if "personal." + next(iter(federated)) not in trained:
+        return Expected(federated)
+    personal = {name: trained["personal." + name] for name in federated}
+    return Expected(interpolate(federated, personal, parts.algorithm.hyper.eval_lambda))
+
+
+def pfedsim(parts: Parts, cid: int) -> Expected:
+    """During the warm-up the FedAvg of the trained models; after it the client's own model as its
+    last Fit returned it (the server stores it; the download mixed only its body)."""
+    if parts.algorithm.warming_up(ROUNDS):
+        return Expected(averaged(parts))
+    return Expected(model_only(parts.trained(cid, -1)))
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -859,6 +921,10 @@ CUSTOM_RULES: dict[str, Rule] = {
     "apple": Rule(apple, False, apple_wrong),
     "fedpcl": Rule(fedpcl, False, fedpcl_wrong), "pfedhn": Rule(pfedhn, True),
     "pfedla": Rule(pfedla, True),
+    "knnper": Rule(knnper, True, knnper_wrong),
+    "floco": Rule(floco, True, floco_wrong),
+    "superfed": Rule(superfed, True),
+    "pfedsim": Rule(pfedsim, False, downloaded_model),
 }
 CUSTOM_RULES.update({
     "fedavgm": Rule(fedavgm, True, server_step_left_out),
