@@ -124,6 +124,30 @@ METHODS = {m.label: m for m in (
                        "local_epochs = 2E",
                        "PFLlib evaluates after one SGD step of B samples from the global model, as pfedkit")),
     Method("Local", "local", "Local"),
+    Method("pFedMe", "pfedme", "pFedMe", {"pfedme.lam": 15.0, "pfedme.inner_steps": 5, "pfedme.personal_lr": 0.01,
+                                          "pfedme.beta": 1.0, "pfedme.mu": 0.001},
+           {"-lam": 15.0, "-K": 5, "-lrp": 0.01, "-bt": 1.0},
+           departures=("PFLlib's default -bt is 0: its server mix (1 - beta) w + beta mean keeps the initial model "
+                       "for ever (serverpFedMe.py:88-91); both set to beta = 1",
+                       "PFLlib's pFedMeOptimizer mu is its default 0.001 (not a flag): pfedkit's mu = 0.001",
+                       "PFLlib evaluates each client's theta from its last inner problem of the previous round "
+                       "(clientpFedMe.py:79-81): not yet compared with pfedkit's evaluated model")),
+    Method("APFL", "apfl", "APFL", {"apfl.alpha_init": 0.5, "apfl.adaptive": True}, {"-al": 0.5},
+           departures=("PFLlib's alpha step adds 0.02 alpha to the gradient and clips alpha to [0, 1] "
+                       "(clientapfl.py:76-78): not in pfedkit, not yet measured",)),
+    Method("FedAMP", "fedamp", "FedAMP", {"fedamp.alpha_k": 1.0, "fedamp.lam": 1.0, "fedamp.sigma": 1.0},
+           {"-alk": 1.0, "-lam": 1.0, "-sg": 1.0},
+           departures=("PFLlib's defaults (alpha_K = lam = sigma = 1) on both; pfedkit's are cwFedAvg's",)),
+    Method("FedFomo", "fedfomo", "FedFomo", {"fedfomo.num_peers": 5, "fedfomo.epsilon": 0.0,
+                                            "fedfomo.val_ratio": 0.2}, {"-M": 5},
+           departures=("PFLlib's validation rows are the last 20 % of the training rows, fixed (clientfomo.py:66); "
+                       "pfedkit draws them at random once per client",)),
+    Method("FedGH", "fedgh", "FedGH", {"fedgh.server_lr": 1.0, "fedgh.server_batch_size": "B"}, {"-slr": 1.0},
+           departures=("PFLlib trains the server head on the prototypes with the clients' batch size "
+                       "(servergh.py:93): pfedkit's server_batch_size = B",)),
+    Method("FedRoD", "fedrod", "FedROD", {"fedrod.gamma": 1.0}),
+    Method("FedPAC", "fedpac", "FedPAC", {"fedpac.lam": 1.0}, {"-lam": 1.0},
+           departures=("PFLlib's FedPAC needs the real cvxpy (its head weights); not stubbed for this method",)),
 )}
 
 
@@ -137,9 +161,11 @@ def pfedkit_overrides(method: Method, split: Split, seed: int, rounds: int) -> l
 
 
 def resolve_placeholder(value, config: dict):
-    """'LR' -> the split's lr, '2E' -> twice its local epochs; anything else as is."""
+    """'LR' -> the split's lr, '2E' -> twice its local epochs, 'B' -> its batch size; anything else as is."""
     if value == "LR":
         return config["lr"]
+    if value == "B":
+        return config["batch_size"]
     if value == "2E":
         return 2 * config["local_epochs"]
     return value
