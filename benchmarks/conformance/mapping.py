@@ -46,6 +46,7 @@ class Method:
     pfllib_flags: dict = field(default_factory=dict)     # flag -> value
     pfllib_evaluation: str = "last"   # which 'Averaged Test Accuracy' of a round block is the curve
     departures: tuple[str, ...] = ()  # what neither library's options remove
+    pfllib_commit: str | None = None  # a PFLlib commit other than the table's that this row runs against
 
 
 SPLITS = {
@@ -116,6 +117,13 @@ METHODS = {m.label: m for m in (
                        "training_passes",
                        "a sample whose class has no global vector: PFLlib's target is its own logits (not 0 "
                        "for the CE), pfedkit's term is 0; only in round 1 and for classes nobody holds")),
+    Method("FedDistill-softmax", "feddistill", "FD",
+           {"feddistill.lam": 1.0, "feddistill.distill_loss": "kl", "feddistill.upload_logits": "training_passes"},
+           {"-lam": 1.0}, pfllib_commit="87689a0437f04a800c64da9cd3565ff8eab9afeb",
+           departures=("PFLlib at 87689a0 (2025-11-25, the parent of the table's commit) distils by "
+                       "CrossEntropyLoss(z, softmax(z̄_y)) (clientfd.py:50): the same gradient as pfedkit's KL "
+                       "(they differ by the entropy of softmax(z̄_y), a constant); d832e76 changed that line to "
+                       "the raw logits (row FedDistill)",)),
     Method("Per-FedAvg", "perfedavg", "PerAvg", {"perfedavg.variant": "fo", "perfedavg.beta": "LR",
                                                 "local_epochs": "2E"}, {},
            departures=("PFLlib's client sets beta = lr whatever -bt says (clientperavg.py:14): pfedkit's beta "
