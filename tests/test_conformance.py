@@ -207,3 +207,37 @@ def test_row_counts_only_seeds_evaluated_at_every_round():
     row = curves.compare("m", unfinished, rounds=12)
     assert row.pfllib is None and not row.complete
     assert "not run yet" in curves.markdown_row(row, "")
+
+
+# --- the facts FedDistill's rows rest on (pfedkit's distillation terms) ----------------------------
+
+def test_pfllib_ce_term_is_unbounded_below_as_pfllib_d832e76_fd_loss_while_the_kl_is_not():
+    """PFLlib d832e76's FD: CrossEntropyLoss(z, z̄_y) with raw logits as targets; a target with a
+    negative entry lets the student lower the loss without end (both sides diverge: docs/conformance.md)."""
+    import torch
+
+    from pfedkit.algorithms.feddistill import distillation_term
+
+    teacher = torch.tensor([[2.0, -3.0, 0.5]])
+    labels, has_target = torch.tensor([0]), torch.tensor([True])
+    direction = torch.tensor([[1.0, -1.0, 0.0]])
+    ce = [distillation_term(scale * direction, labels, teacher, has_target, "pfllib_ce").item() for scale in (1, 10, 100)]
+    kl = [distillation_term(scale * direction, labels, teacher, has_target, "kl").item() for scale in (1, 10, 100)]
+    assert ce[0] > ce[1] > ce[2] and ce[2] < -100
+    assert min(kl) >= 0
+
+
+def test_kl_term_has_the_gradient_of_cross_entropy_to_softmax_targets_pfllib_87689a0():
+    import torch
+    import torch.nn.functional as F
+
+    from pfedkit.algorithms.feddistill import distillation_term
+
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(3, 3, generator=generator)
+    logits = torch.randn(4, 3, generator=generator, requires_grad=True)
+    labels, has_target = torch.tensor([0, 2, 1, 2]), torch.tensor([True, True, True])
+    (kl_grad,) = torch.autograd.grad(distillation_term(logits, labels, teacher, has_target, "kl"), logits)
+    ce = F.cross_entropy(logits, teacher[labels].softmax(dim=1))
+    (ce_grad,) = torch.autograd.grad(ce, logits)
+    torch.testing.assert_close(kl_grad, ce_grad)
