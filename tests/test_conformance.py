@@ -241,3 +241,8 @@ def test_kl_term_has_the_gradient_of_cross_entropy_to_softmax_targets_pfllib_876
     ce = F.cross_entropy(logits, teacher[labels].softmax(dim=1))
     (ce_grad,) = torch.autograd.grad(ce, logits)
     torch.testing.assert_close(kl_grad, ce_grad)
+
+
+def test_paired_differences_use_only_seeds_both_sides_completed():
+    data = synthetic_curves({("pfedkit", 0): 0.9, ("pfedkit", 1): 0.8, ("PFLlib", 0): 0.6})
+    assert curves.paired_last10(data, rounds=12) == {0: pytest.approx(30.0 * 7.5 / 12)}

@@ -23,7 +23,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from curves import TABLE_HEADER, compare, curve_frame, markdown_row, pfedkit_curve  # noqa: E402
+from curves import TABLE_HEADER, compare, curve_frame, markdown_row, paired_last10, pfedkit_curve  # noqa: E402
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
 from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
 from pfllib_run import curve_from_log, run_pfllib  # noqa: E402
@@ -144,6 +144,8 @@ def command_row(ns: argparse.Namespace) -> int:
     row = compare(ns.curves.stem, curves, rounds)
     print(TABLE_HEADER)
     print(markdown_row(row, ns.verdict or ("agree" if row.complete and row.within_spread else "differs")))
+    paired = paired_last10(curves, rounds)
+    print("paired by seed, last-10 pfedkit - PFLlib:", ", ".join(f"seed {s} {d:+.2f}" for s, d in paired.items()))
     return 0
 
 

@@ -85,6 +85,16 @@ def compare(method: str, curves: pd.DataFrame, rounds: int) -> Row:
     return Row(method, side_summary(curves, "pfedkit", rounds), side_summary(curves, "PFLlib", rounds))
 
 
+def paired_last10(curves: pd.DataFrame, rounds: int) -> dict[int, float]:
+    """{seed: pfedkit's last-10 mean minus PFLlib's, in points} for the seeds both sides completed
+    (a seed is the same partition on both sides)."""
+    window = curves[curves["round"].between(rounds - LAST + 1, rounds)]
+    means = window.groupby(["library", "seed"])["accuracy"].agg(["mean", "count"])
+    complete = means[means["count"] == LAST]["mean"]
+    seeds = sorted(set(complete.get("pfedkit", pd.Series()).index) & set(complete.get("PFLlib", pd.Series()).index))
+    return {int(s): 100 * (complete["pfedkit"][s] - complete["PFLlib"][s]) for s in seeds}
+
+
 def markdown_row(row: Row, verdict: str) -> str:
     """| method | rounds | seeds | pfedkit best / last-10 / round | PFLlib ... | differences | spread | verdict |"""
     if not row.complete:
