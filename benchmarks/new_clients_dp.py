@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pfedkit.engine.simulate import TrainingDiverged
+from pfedkit.engine.drive import TrainingDiverged
 from pfedkit.privacy.accounting import PrivacyBudget
 from pfedkit.privacy.calibrate import noise_for_epsilon
 from pfedkit.runs import run

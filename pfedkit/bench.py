@@ -25,6 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pfedkit.atomic import strict_json
+from pfedkit.build import RUNTIMES
 from pfedkit.config import load_config
 from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.runtimes.processes import default_workers
@@ -189,8 +190,8 @@ def run_bench(args, log=print) -> dict:
     train_flops, eval_flops = flops_per_sample(sim.algorithm.setup.ops.build(), client.x_train[:10],
                                                client.y_train[:10])
     eval_samples = sum(c.n_test for c in data.clients)
-    parallel = config.backend in ("processes", "ray")
-    total_threads = (config.workers or default_workers()) if parallel else (config.threads or torch.get_num_threads())
+    # The threads the run computed with: each worker's one (side by side) or the run's count.
+    total_threads = (config.workers or default_workers()) if RUNTIMES[config.backend].side_by_side else sim.threads
     device = resolve_device(config.device, config.backend)
     peak = matmul_gflops(total_threads, device=device)
     achieved = samples / train * train_flops / 1e9

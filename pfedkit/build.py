@@ -1,6 +1,7 @@
 """Factories: what a run is made of, built from its config. The model builders (`architectures`),
-the algorithm (`build_algorithm`), the trainer settings, the runtime (`make_runtime`, through
-`RUNTIMES`: one row per backend) and the round loop (`simulation_for`). `pfedkit.runs` (the run
+the algorithm (`build_algorithm`), the trainer settings, the run's thread count (`run_threads`,
+passed to both of the next), the runtime (`make_runtime`, through `RUNTIMES`: one row per backend)
+and the round loop (`simulation_for`). `pfedkit.runs` (the run
 lifecycle), the Flower server and nodes, `pfedkit bench` and the experiments build through here.
 
 Adding a runtime: its module in engine/runtimes/ (satisfying `pfedkit.engine.protocols.Runtime`),
@@ -22,13 +23,13 @@ from pfedkit.config import Config, per_client_model_options
 from pfedkit.core.backends import BACKENDS
 from pfedkit.core.contract import Setup
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.seeds import SERVER, derive_seed
 from pfedkit.data.datasets import default_model
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.allocator import retain_freed_memory
 from pfedkit.engine.client_states import Placement
 from pfedkit.engine.device import resolve_device
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.protocols import Clients, Runtime
 from pfedkit.engine.runtimes.processes import ProcessRuntime
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
@@ -36,7 +37,7 @@ from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import TrainSettings
 from pfedkit.models import build_model, model_info
 from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
-from pfedkit.privacy.setup import attach_client_dp, check_sample_dp
+from pfedkit.privacy.setup import check_client_dp, check_sample_dp, client_dp_aggregation
 
 
 def model_name(config: Config) -> str:
@@ -109,12 +110,15 @@ def check_precision(config: Config) -> None:
                           "(AVX512_BF16 or AMX); bf16 would run ~9x slower than fp32 here. Use precision=fp32")
 
 
-def simulation_for(config: Config, algorithm, data: FederatedData, runtime: Runtime | None,
+def simulation_for(config: Config, algorithm, data: FederatedData, runtime: Runtime | None, threads: int,
                    clients: Clients | None = None, placement: Placement = Placement()) -> Simulation:
-    """The round loop with the config's schedule; `clients`: the clients' side (default: local,
-    its states placed by `placement`)."""
-    return Simulation(algorithm, data, runtime, rounds=config.rounds, seed=config.seed,
-                      join_ratio=config.join_ratio, eval_every=config.eval_every,
+    """The round loop with the config's schedule, computing with `threads` (`run_threads`: the
+    runtime's count), aggregating through client-level DP's noised mean where the config asks for
+    it (`dp.level=client`); `clients`: the clients' side (default: local, its states placed by
+    `placement`)."""
+    return Simulation(algorithm, data, runtime, threads=threads,
+                      start_aggregation=client_dp_aggregation(config, algorithm), rounds=config.rounds,
+                      seed=config.seed, join_ratio=config.join_ratio, eval_every=config.eval_every,
                       keep_optimizer_state=config.keep_optimizer_state, eval_point=config.eval_point,
                       participants=config.participants, clients=clients, placement=placement,
                       new_clients=config.new_clients, new_client_finetune=config.new_client_finetune)
@@ -157,7 +161,7 @@ def build_algorithm(config: Config, input_shape, num_classes: int, train_counts:
                   client_ops, rounds=config.rounds)
     algorithm = algo_cls(config.hyper(), setup)
     algorithm.check()
-    attach_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
+    check_client_dp(config, algorithm)  # dp.level=client: refused here unless the aggregate is a mean
     if config.dp.level == "sample":
         check_sample_dp(config, archs.build())
     return algorithm, archs
@@ -172,45 +176,56 @@ def train_settings(config: Config) -> TrainSettings:
 
 
 # ------------------------------------------------------------------ runtimes, one factory per backend
-# Each takes (config, the run's Architectures, its TrainSettings, the data, the resolved device).
+# Each takes (config, the run's Architectures, its TrainSettings, the data, the resolved device,
+# the run's thread count from `run_threads`).
 
 def sequential_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,
-                       device: torch.device) -> Runtime:
-    return SequentialRuntime(archs.build, settings, data, threads=config.threads, device=device, **archs.keywords())
+                       device: torch.device, threads: int) -> Runtime:
+    return SequentialRuntime(archs.build, settings, data, threads=threads, device=device, **archs.keywords())
 
 
 def process_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,
-                    device: torch.device) -> Runtime:
-    return ProcessRuntime(archs.build, settings, data, workers=config.workers, threads=config.threads, device=device,
+                    device: torch.device, threads: int) -> Runtime:
+    return ProcessRuntime(archs.build, settings, data, workers=config.workers, threads=threads, device=device,
                           **archs.keywords())
 
 
 def vectorized_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,
-                       device: torch.device) -> Runtime:
+                       device: torch.device, threads: int) -> Runtime:
     from pfedkit.engine.runtimes.vectorized import VectorizedRuntime  # torch.func: loaded when used
-    return VectorizedRuntime(archs.build, settings, data, threads=config.threads, device=device, **archs.keywords())
+    return VectorizedRuntime(archs.build, settings, data, threads=threads, device=device, **archs.keywords())
 
 
 def ray_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,
-                device: torch.device) -> Runtime:
+                device: torch.device, threads: int) -> Runtime:
     from pfedkit.engine.runtimes.ray import RayRuntime
-    return RayRuntime(archs.build, settings, data, workers=config.workers, threads=config.threads,
+    return RayRuntime(archs.build, settings, data, workers=config.workers, threads=threads,
                       address=config.ray.address, device=device, gpus_per_worker=config.ray.gpus_per_worker,
                       **archs.keywords())
 
 
-RuntimeFactory = Callable[[Config, Architectures, TrainSettings, FederatedData, torch.device], Runtime]
+RuntimeFactory = Callable[[Config, Architectures, TrainSettings, FederatedData, torch.device, int], Runtime]
 
-# config `backend` -> the function that builds its runtime.
-RUNTIMES: dict[str, RuntimeFactory] = {
-    "sequential": sequential_runtime,
-    "processes": process_runtime,
-    "vectorized": vectorized_runtime,
-    "ray": ray_runtime,
+
+@dataclass(frozen=True)
+class Backend:
+    """A row of the backend table: the function that builds its runtime, and whether its clients
+    train in several processes side by side (each then computes with one thread unless the config's
+    `threads` says otherwise: more would crowd the cores)."""
+    make: RuntimeFactory
+    side_by_side: bool
+
+
+# config `backend` -> its row.
+RUNTIMES: dict[str, Backend] = {
+    "sequential": Backend(sequential_runtime, side_by_side=False),
+    "processes": Backend(process_runtime, side_by_side=True),
+    "vectorized": Backend(vectorized_runtime, side_by_side=False),
+    "ray": Backend(ray_runtime, side_by_side=True),
 }
 
 
-def check_backends(runtimes: Mapping[str, RuntimeFactory], names: Sequence[str]) -> None:
+def check_backends(runtimes: Mapping[str, Backend], names: Sequence[str]) -> None:
     """The config and the command line accept exactly the backends built here, in the same order.
     Run at import (a raise, not an assert: `python -O` keeps it)."""
     if tuple(runtimes) != tuple(names):
@@ -221,14 +236,34 @@ def check_backends(runtimes: Mapping[str, RuntimeFactory], names: Sequence[str])
 check_backends(RUNTIMES, BACKENDS)
 
 
-def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData) -> Runtime:
-    """The configured runtime; `archs`: the run's Architectures (or one model builder)."""
+def backend_row(config: Config) -> Backend:
+    """The configured backend's row of `RUNTIMES` (one line naming the allowed ones if none)."""
+    row = RUNTIMES.get(config.backend)
+    if row is None:
+        raise ConfigError(f"backend: {config.backend!r} is not available; allowed: {', '.join(RUNTIMES)}")
+    return row
+
+
+def run_threads(config: Config, side_by_side: bool | None = None) -> int:
+    """The ONE thread count the run computes with, decided here and passed to the runtime and to
+    the round loop (docs/architecture.md, "One thread count per run"): the config's `threads`,
+    else 1 where clients train in processes side by side (processes, ray; Flower nodes pass
+    `side_by_side=True`), else this process's torch count (all cores: sequential, vectorized).
+    `side_by_side`: None, the configured backend's."""
+    if config.threads:
+        return config.threads
+    if side_by_side is None:
+        side_by_side = backend_row(config).side_by_side
+    return 1 if side_by_side else torch.get_num_threads()
+
+
+def make_runtime(config: Config, archs: Architectures | Any, data: FederatedData, threads: int) -> Runtime:
+    """The configured runtime, computing with `threads` (`run_threads`); `archs`: the run's
+    Architectures (or one model builder)."""
     if not isinstance(archs, Architectures):
         archs = Architectures(archs)
+    row = backend_row(config)
     retain_freed_memory()  # every runtime (forked workers inherit it): no page faults per step
     settings = train_settings(config)
     device = resolve_device(config.device, config.backend)
-    factory = RUNTIMES.get(config.backend)
-    if factory is None:
-        raise ConfigError(f"backend: {config.backend!r} is not available; allowed: {', '.join(RUNTIMES)}")
-    return factory(config, archs, settings, data, device)
+    return row.make(config, archs, settings, data, device, threads)

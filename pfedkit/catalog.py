@@ -1,6 +1,6 @@
 """The algorithms and models by name, without importing them: what `pfedkit list`, `pfedkit config`
 and config validation need to know (names, descriptions, an algorithm's options with their
-defaults and the options it removed, which algorithms allow heterogeneous models, which models
+defaults and the ranges `pfedkit tune` searches, the options it removed, which algorithms allow heterogeneous models, which models
 read token ids).
 
 The modules of algorithms and models import torch, which alone takes seconds to start; a command
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 # What the catalog is made from, relative to the package: a change there gives another digest.
-SOURCES = ("algorithms", "models", "core/contract.py")
+SOURCES = ("algorithms", "models", "core/contract.py", "core/search.py")
 # Imported in this process: algorithms or models may have been registered at run time.
 LIVE_MODULES = ("pfedkit.algorithms.registry", "pfedkit.models")
 
@@ -35,6 +35,7 @@ class Option:
     """One option of an algorithm (a field of its `Hyper`)."""
     default: str  # as `pfedkit list` prints it
     description: str
+    searched: str = ""  # the range `pfedkit tune` searches (declared on the option: core/search.py); "": none
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,15 @@ def cache_file(digest: str | None = None) -> Path:
 def build_catalog() -> Catalog:
     """The catalog read from the classes themselves (imports every algorithm and model)."""
     from pfedkit.algorithms import algorithm_names, get_algorithm
+    from pfedkit.core.search import declared_ranges, range_in_words
     from pfedkit.models import MODELS
 
     algorithms = {}
     for name in algorithm_names():
         algorithm = get_algorithm(name)
-        options = {key: Option(str(field.default), field.description or "")
+        ranges = declared_ranges(algorithm.Hyper)
+        options = {key: Option(str(field.default), field.description or "",
+                               range_in_words(ranges[key]) if key in ranges else "")
                    for key, field in algorithm.Hyper.model_fields.items()}
         algorithms[name] = AlgorithmEntry(algorithm.description, options,
                                           bool(algorithm.supports_heterogeneous_models),

@@ -38,7 +38,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _diverged() -> type[Exception]:
-    from pfedkit.engine.simulate import TrainingDiverged  # imported only when an error reaches here
+    from pfedkit.engine.drive import TrainingDiverged  # imported only when an error reaches here
 
     return TrainingDiverged
 
@@ -195,13 +195,13 @@ def cmd_reproduce(ns: argparse.Namespace) -> int:
 
 def algorithm_options(name: str, detailed: bool) -> str:
     """An algorithm's options with defaults (from the catalog): one line (`key=default, ...`) or
-    one line per option with its description."""
+    one line per option with its description and the range `pfedkit tune` searches, if any."""
     entry = catalog().algorithms[name]
     if not detailed:
         return ", ".join(f"{key}={option.default}" for key, option in entry.options.items())
     lines = [f"{name}: {entry.description}"]
     lines += [f"  {name}.{key}={option.default}  {option.description}".rstrip()
-              for key, option in entry.options.items()]
+              + (f" (tune: {option.searched})" if option.searched else "") for key, option in entry.options.items()]
     return "\n".join(lines if entry.options else lines + ["  (no options)"])
 
 
@@ -423,8 +423,8 @@ def _add_tune(sub) -> None:
                         "(default: the config's algorithm; pfedkit list)")
     p_tune.add_argument("--trials", type=int, required=True,
                         help="finished trials in total (a rerun with more continues the study)")
-    p_tune.add_argument("--space", metavar="FILE", help="search-space YAML replacing the shipped one "
-                        "(pfedkit/experiments/tuning_spaces.yaml; see docs/tuning.md)")
+    p_tune.add_argument("--space", metavar="FILE", help="search-space YAML replacing the shipped spaces "
+                        "(lr, and the ranges the algorithms declare on their options; see docs/tuning.md)")
     p_tune.add_argument("--out", metavar="DIR", help="tuning directory (default OUT_DIR/tune); the study goes "
                         "in DIR/ALGORITHM and a rerun resumes it")
     p_tune.set_defaults(func=cmd_tune)

@@ -35,18 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 import yaml
 from tqdm import tqdm
 
 from pfedkit.atomic import atomic_savez, atomic_write_json, atomic_write_text, remove_stale_temporaries
-from pfedkit.build import build_algorithm, check_precision, make_runtime, model_name, simulation_for, uses_channels_last
+from pfedkit.build import (build_algorithm, check_precision, make_runtime, model_name, run_threads, simulation_for,
+                           uses_channels_last)
 from pfedkit.config import Config, load_config
 from pfedkit.core.errors import ConfigError
 from pfedkit.data.federated import FederatedData, assemble, build_federated
 from pfedkit.engine.client_states import STATES_DIR, DiskStates, Placement, disk_stores
-from pfedkit.engine.device import describe_device
-from pfedkit.engine.simulate import Simulation, TrainingDiverged
+from pfedkit.engine.drive import TrainingDiverged
+from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.state import SimState, read_checkpoint, write_checkpoint
 from pfedkit.evaluation import summarize
 from pfedkit.federation import config_dataset, split_plan
@@ -152,10 +152,11 @@ def prepare(config: Config, resume_dir: Path | None = None, state_dir: Path | No
         data = build_federated(split_plan(config), dataset, channels_last)
     algorithm, archs = build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     ops, client_ops = algorithm.setup.ops, algorithm.setup.client_ops
-    runtime = make_runtime(config, archs, data)
+    threads = run_threads(config)  # one count for the runtime and the round loop alike
+    runtime = make_runtime(config, archs, data, threads)
     if resume_dir is not None:
         state_dir = resume_dir / STATES_DIR
-    simulation = simulation_for(config, algorithm, data, runtime,
+    simulation = simulation_for(config, algorithm, data, runtime, threads,
                                 placement=Placement(config.client_states, state_dir, config.out_dir))
     if resume_dir is None:
         check_a_round_fits(config, simulation)
@@ -282,17 +283,10 @@ def execute(config: Config, context: Prepared, run_dir: Path, quiet: bool = True
         bar.close()
         context.runtime.close()
     metrics = pd.DataFrame(state.rows)
+    # The summary's `device`: where the clients trained, as their side says (Flower nodes choose their own).
     return Result(finish_summary(run_dir, state, config, context.data, context.backend,
-                                 runtime_device(context.runtime), budget),
+                                 sim.clients.describe_devices(), budget),
                   metrics, run_dir)
-
-
-def runtime_device(runtime: Any) -> str:
-    """What the summary records as `device`: where the clients trained. A runtime whose clients
-    choose their own devices (Flower nodes) says so itself; the others name their one device."""
-    if hasattr(runtime, "describe_devices"):
-        return runtime.describe_devices()
-    return describe_device(getattr(runtime, "device", torch.device("cpu")))
 
 
 def keep_completed_rounds(run_dir: Path, state: SimState, config: Config, err: TrainingDiverged) -> None:

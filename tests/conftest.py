@@ -47,6 +47,15 @@ def needs_dataset(name: str):
                               reason=f"../shared/datasets/{name} not present")
 
 
+def quick_options(algorithm: str) -> dict:
+    """`algorithm`'s config section of its `quick_test_options` (short test runs through the same
+    code paths), {} when it declares none: add it to every config a generic test runs."""
+    from pfedkit.algorithms import get_algorithm
+
+    options = get_algorithm(algorithm).quick_test_options
+    return {algorithm: dict(options)} if options else {}
+
+
 def interrupt_and_resume(config: dict, tmp_path, monkeypatch, after_round: int = 2):
     """Run `config` uninterrupted, then again with a crash after `after_round` rounds, then resume
     the crashed run. Returns (uninterrupted result, crashed run directory, rounds done before the
@@ -88,6 +97,21 @@ def learned_run(config: dict):
     metrics = result.metrics
     assert metrics[metrics["round"] == metrics["round"].max()]["accuracy"].mean() > 0.3
     return result, metrics, final_state(result)
+
+
+def switched_off_is_fedavg(config: dict, algorithm: str, off: dict, out_dir) -> tuple:
+    """Run FedAvg and `algorithm` with the options `off` that switch its change off (FedLC tau = 0,
+    FedRS alpha = 1...) on `config`, check that every metric of the two runs is the same to the bit,
+    then run `algorithm` at its defaults and check it learned (`learned_run`): (FedAvg's result,
+    the default run's result), to compare the two."""
+    import pfedkit
+
+    columns = ["round", "client", "accuracy", "loss", "train_loss", "bytes_up", "bytes_down"]
+    fedavg = pfedkit.run({**config, "algorithm": "fedavg", "out_dir": str(out_dir / "fedavg")})
+    plain = pfedkit.run({**config, "algorithm": algorithm, algorithm: off, "out_dir": str(out_dir / "off")})
+    pd.testing.assert_frame_equal(plain.metrics[columns], fedavg.metrics[columns])
+    result, _, _ = learned_run({**config, "algorithm": algorithm, "out_dir": str(out_dir / algorithm)})
+    return fedavg, result
 
 
 def refusal(call, *args) -> str:

@@ -11,7 +11,7 @@ from pfedkit.algorithms.fedrema import FedReMa, class_prototypes
 from pfedkit.algorithms.pfedpm import PFedPM
 from pfedkit.algorithms.prototypes import class_means
 from pfedkit.core.contract import ClientData, Setup
-from pfedkit.engine.model_ops import ModelOps
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.models import BodyHeadModel
 
 IN_DIM, FEATURES, NUM_CLASSES, N = 5, 6, 3, 12

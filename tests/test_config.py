@@ -119,4 +119,10 @@ def test_list_shows_every_algorithms_options_with_defaults(capsys):
     assert main(["list", "ditto"]) == 0
     detail = capsys.readouterr().out
     assert "ditto.lam=1.0" in detail and "proximal" in detail
+    assert "(tune: [0.01, 10] log)" in detail and "ditto.personal_epochs" in detail  # the range declared on lam
+    assert main(["list", "pfedme"]) == 0
+    detail = capsys.readouterr().out
+    assert "(tune: {1, 2})" in detail and "(tune: [1, 30] log)" in detail
+    assert main(["list", "pfedcs"]) == 0
+    assert "(tune: 1..5)" in capsys.readouterr().out
     assert main(["list", "nosuch"]) == 2

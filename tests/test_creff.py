@@ -17,9 +17,9 @@ from pfedkit.algorithms.creff import (CReFF, class_gradients, fresh_linear, line
                                       matching_distance, mean_class_gradients, retrain_classifier,
                                       row_cosine_distance)
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import select
 from pfedkit.core.seeds import torch_generator
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.run_files import read_diagnostics

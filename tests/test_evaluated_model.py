@@ -4,9 +4,12 @@ A run of two rounds on the embedded digits set is recorded at the engine's seams
 the algorithm's own bookkeeping: each Fit request and the trainer's answer (what a client
 trained), each client_update's download and returned state, the server state after every round,
 and what the engine finally handed to the evaluator. From those parts and the algorithm's
-documented rule (docs/algorithms/<name>.md, "Evaluated model"), `RULES` assembles the model each
+documented rule (docs/algorithms/<name>.md, "Evaluated model"), a `Rule` assembles the model each
 client should be evaluated with: e.g. FedPer = the body the server averaged in the last round +
-the head the client's last Fit returned. The test then checks that
+the head the client's last Fit returned. Which rule is read off the class: `evaluated_model`
+names one of the standard assemblies (`STANDARD_RULES`: "global", "own", "shared_body",
+"shared_head"), so a method using one needs nothing here; "custom" means a rule of the method's
+own in `CUSTOM_RULES`, under its name. The test then checks that
 
 1. the engine evaluated exactly those parameters (tensor for tensor; with evaluation-time
    adaptation, the adaptation started from them),
@@ -42,7 +45,7 @@ from torch import nn
 import pfedkit
 from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.perfedavg import inner_step
-from pfedkit.core.contract import Algorithm, Fit
+from pfedkit.core.contract import EVALUATED_MODELS, Algorithm, Fit
 from pfedkit.core.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
@@ -54,17 +57,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROUNDS = 2
 NUM_CLIENTS = 4
-# Options that keep each run under a second or two on the embedded data (the defaults train
-# 10 head epochs, fine-tune 5 epochs, retrain CReFF's head for 300 epochs...).
-FAST_OPTIONS: dict[str, dict[str, Any]] = {
-    "fedrep": {"head_epochs": 1},
-    "fedbabu": {"finetune_epochs": 1},
-    "creff": {"num_features": 4, "feature_steps": 2, "retrain_epochs": 2, "grad_repeats": 1},
-    "fedfomo": {"num_peers": 3},
-}
-# R-pFedPM's relation module scores every (sample, class feature) pair: on the mlp's 200-d
-# features its runs take 15 s, on the conv net's 32-d ones under 2 s.
-FAST_CONFIG: dict[str, dict[str, Any]] = {"rpfedpm": {"model": "digits_conv"}}
 
 
 class DigitsConvNet(BodyHeadModel):
@@ -79,6 +71,16 @@ class DigitsConvNet(BodyHeadModel):
         super().__init__(layers, head_start(head, self.HEAD_SPLITS, "digits_conv"))
 
 
+class DigitsBatchNormNet(BodyHeadModel):
+    """The digits features through a hidden layer with BatchNorm (FedBN's local layers)."""
+    HEAD_SPLITS = {"last": "fc"}
+
+    def __init__(self, input_shape, num_classes: int, head: str = "last"):
+        layers = [("fc1", nn.Linear(64, 32)), ("bn1", nn.BatchNorm1d(32)), ("relu1", nn.ReLU()),
+                  ("fc", nn.Linear(32, num_classes))]
+        super().__init__(layers, head_start(head, self.HEAD_SPLITS, "digits_bn"))
+
+
 # (algorithm, config changes): every algorithm on the digits mlp, and a few seed-method settings
 # the default run does not reach.
 CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
@@ -90,6 +92,7 @@ CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
     *([pytest.param("rpfedpm", {"rpfedpm": {"relation_training": "alternate"}}, id="rpfedpm-alternate")]
       if "relation_training" in get_algorithm("rpfedpm").Hyper.model_fields else []),
     pytest.param("cwfedavg", {"cwfedavg": {"mix_on": "client"}}, id="cwfedavg-mix-on-client"),
+    pytest.param("fedbn", {"model": "digits_bn"}, id="fedbn-batchnorm"),
 ]
 
 
@@ -114,11 +117,13 @@ def recorded_run(algorithm: str, tmp_path, monkeypatch, changes: dict) -> tuple:
     """Run `algorithm` for ROUNDS rounds with every seam recorded -> (Recording, Result)."""
     rec = Recording()
     monkeypatch.setitem(MODELS, "digits_conv", ModelInfo("digits_conv", DigitsConvNet, "test model"))
+    monkeypatch.setitem(MODELS, "digits_bn", ModelInfo("digits_bn", DigitsBatchNormNet, "test model"))
     patch_simulation(monkeypatch, rec)
     patch_trainer(monkeypatch, rec)
     patch_evaluation(monkeypatch, rec)
-    changes = {**FAST_CONFIG.get(algorithm, {}), **changes}
-    section = {**FAST_OPTIONS.get(algorithm, {}), **changes.pop(algorithm, {})}
+    changes = dict(changes)
+    # the class's quick_test_options keep each run under a second or two on the embedded data
+    section = {**get_algorithm(algorithm).quick_test_options, **changes.pop(algorithm, {})}
     result = pfedkit.run({
         "algorithm": algorithm, "dataset": "digits", "num_clients": NUM_CLIENTS, "rounds": ROUNDS,
         "join_ratio": 1.0, "threads": 1, "batch_size": 50, "lr": 0.05, "seed": 3, "backend": "sequential",
@@ -294,7 +299,8 @@ def shared_and_private(shared: str) -> Callable[[Parts, int], Expected]:
 
     def rule(parts: Parts, cid: int) -> Expected:
         return Expected(merge(averaged(parts, shared), select(parts.trained(cid, -1), private)))
-    rule.__doc__ = f"The mean of the round's trained {shared}s + the {private} of the client's last Fit."
+    rule.__name__ = f"shared_{shared}_and_private_{private}"
+    rule.__doc__ = f"The mean of the round's trained {shared} parts + the {private} of the client's last Fit."
     return rule
 
 
@@ -314,13 +320,31 @@ def apfl(parts: Parts, cid: int) -> Expected:
 def perfedavg(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), adapted by the unclipped inner step, lr alpha."""
     params = averaged(parts)
-    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.h.alpha, step=inner_step))
+    return Expected(params, adapt=Fit(params, steps=1, lr=parts.algorithm.hyper.alpha, step=inner_step))
 
 
 def fedbabu(parts: Parts, cid: int) -> Expected:
     """Global body (FedAvg of the trained bodies) + the fixed initial head, fine-tuned for finetune_epochs."""
-    params, h = merge(averaged(parts, "body"), select(parts.initial, "head")), parts.algorithm.h
+    params, h = merge(averaged(parts, "body"), select(parts.initial, "head")), parts.algorithm.hyper
     return Expected(params, adapt=Fit(params, trainable=h.finetune_part, epochs=h.finetune_epochs))
+
+
+def fedavgft(parts: Parts, cid: int) -> Expected:
+    """The global model (FedAvg of the trained models), fine-tuned finetune_steps mini-batches (or
+    finetune_epochs epochs when set) at finetune_lr."""
+    params, h = averaged(parts), parts.algorithm.hyper
+    length = {"steps": h.finetune_steps} if h.finetune_epochs is None else {"epochs": h.finetune_epochs}
+    return Expected(params, adapt=Fit(params, trainable=h.finetune_part, lr=h.finetune_lr, **length))
+
+
+def fedbn(parts: Parts, cid: int) -> Expected:
+    """The mean of the trained models except the BatchNorm layers' weights and biases (found by
+    module type in the run's model), which are the client's own from its last Fit."""
+    template = parts.algorithm.setup.ops.template
+    local = {f"{layer_name}.{name}" for layer_name, layer in template.named_modules()
+             if isinstance(layer, nn.modules.batchnorm._BatchNorm) for name, _ in layer.named_parameters()}
+    own, mean = model_only(parts.trained(cid, -1)), averaged(parts)
+    return Expected({name: own[name] if name in local else value for name, value in mean.items()})
 
 
 def fedrod(parts: Parts, cid: int) -> Expected:
@@ -333,17 +357,12 @@ def fedrod(parts: Parts, cid: int) -> Expected:
     return Expected(params)
 
 
-def pfedme(parts: Parts, cid: int) -> Expected:
-    """theta_i: the personalised model of the last Fit (its `local.` extras are w_i, uploaded)."""
-    return Expected(model_only(parts.trained(cid, -1)))
-
-
 def l2gd(parts: Parts, cid: int) -> Expected:
     """x_i: the last local training, or its mix towards the mean on an aggregation round."""
     message = parts.download(cid)
     if "mean" not in message:
         return last_trained(parts, cid)
-    return Expected(interpolate(parts.before[cid]["params"], message["mean"], parts.algorithm.h.theta))
+    return Expected(interpolate(parts.before[cid]["params"], message["mean"], parts.algorithm.hyper.theta))
 
 
 def fedgh(parts: Parts, cid: int) -> Expected:
@@ -354,6 +373,14 @@ def fedgh(parts: Parts, cid: int) -> Expected:
 def creff(parts: Parts, cid: int) -> Expected:
     """FedAvg of the trained models with the server's re-trained classifier phi_re as head."""
     return Expected(merge(averaged(parts), parts.server["head_re"]))
+
+
+def ccvr(parts: Parts, cid: int) -> Expected:
+    """The body of the model the client downloaded in the last round (the aggregate of the round
+    before) with the classifier the server calibrated in the last round (before any calibration:
+    the server's model's)."""
+    calibrated = parts.server.get("calibrated", parts.server["params"])
+    return Expected(merge(select(parts.download(cid)["params"], "body"), select(calibrated, "head")))
 
 
 def cfl(parts: Parts, cid: int) -> Expected:
@@ -438,7 +465,7 @@ def fedrema(parts: Parts, cid: int) -> Expected:
     heads = [select(parts.trained(j, -1), "head") for j in participants]
     if parts.diagnostic("ccp_active"):
         chosen = [int(j) for j in parts.diagnostic("selected")[cid]]
-        weights = [parts.sizes[j] if algorithm.h.peer_weighting == "samples" else 1.0 for j in chosen]
+        weights = [parts.sizes[j] if algorithm.hyper.peer_weighting == "samples" else 1.0 for j in chosen]
     else:
         dependency = algorithm.diagnostics["dependency_map"]
         row = dependency[max(dependency)][cid]
@@ -457,47 +484,129 @@ def cwfedavg(parts: Parts, cid: int) -> Expected:
     return Expected({**shared, **personalised_model(parts.server["class_wise"], mixing)})
 
 
-RULES: dict[str, Callable[[Parts, int], Expected]] = {
-    "fedavg": global_model, "fedprox": global_model, "feduv": global_model, "moon": global_model,
-    "perfedavg": perfedavg, "creff": creff, "cfl": cfl, "ifca": ifca, "fedpfa": fedpfa,
-    "local": last_trained, "dapfl": last_trained, "fedamp": last_trained, "fesem": last_trained,
-    "fedsoft": last_trained, "feddistill": last_trained, "fedfomo": last_trained, "pfedpm": last_trained,
-    "l2gd": l2gd, "pfedme": pfedme, "ditto": ditto, "apfl": apfl,
-    "fedper": shared_and_private("body"), "fedrep": shared_and_private("body"),
-    "lg_fedavg": shared_and_private("head"), "fedbabu": fedbabu, "fedrod": fedrod, "fedgh": fedgh,
-    "fedpac": fedpac, "fednh": fednh, "fedproto": fedproto, "rpfedpm": rpfedpm, "pfedcs": pfedcs,
-    "fedrema": fedrema, "cwfedavg": cwfedavg,
+def qffl(parts: Parts, cid: int) -> Expected:
+    """q-FedAvg's step from the downloaded w: w - sum_k F_k^q L (w - w_k) / sum_k (q F_k^{q-1} L^2 ||w - w_k||^2
+    + L F_k^q), w_k the trained models, F_k (+1e-10) the losses the server recorded, uniform over clients."""
+    hyper, losses = parts.algorithm.hyper, parts.diagnostic("qffl_loss")
+    w = {name: value.double() for name, value in parts.download(cid)["params"].items()}
+    numerator, denominator = {name: torch.zeros_like(value) for name, value in w.items()}, 0.0
+    for j in range(NUM_CLIENTS):
+        f = losses[j] + 1e-10
+        trained = model_only(parts.trained(j, -1))
+        gap = {name: hyper.lipschitz * (w[name] - trained[name].double()) for name in w}
+        for name in w:
+            numerator[name] += f ** hyper.q * gap[name]
+        squared = sum(float((value ** 2).sum()) for value in gap.values())
+        denominator += hyper.q * f ** (hyper.q - 1) * squared + hyper.lipschitz * f ** hyper.q
+    return Expected({name: (w[name] - numerator[name] / denominator).float() for name in w})
+
+
+def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
+    return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
+
+
+def fedbn_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the averaged BatchNorm layers (FedAvg's model)": lambda cid: global_model(parts, cid)}
+
+
+def ccvr_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    calibrated = select(parts.server["calibrated"], "head")
+    return {"the last aggregate, uncalibrated (FedAvg's model)": lambda cid: global_model(parts, cid),
+            "the last aggregate's body with the calibrated classifier":
+            lambda cid: Expected(merge(averaged(parts, "body"), calibrated)),
+            "the downloaded model, uncalibrated": lambda cid: Expected(parts.download(cid)["params"])}
+
+
+def ditto_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the global model instead of the personal one": lambda cid: Expected(parts.server["params"])}
+
+
+def pfedcs_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the fine-tuned teacher head (the first Fit's) instead of the own trained head":
+            lambda cid: replace_head(pfedcs(parts, cid), select(parts.trained(cid, 0), "head")),
+            "the downloaded customised classifier v_k":
+            lambda cid: replace_head(pfedcs(parts, cid), parts.download(cid)["head"])}
+
+
+def fedrema_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the personalised head sent in the last round (stale)":
+            lambda cid: replace_head(fedrema(parts, cid), parts.download(cid)["head"])}
+
+
+def cwfedavg_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    return {"the uniform class mix (the initial p~)": lambda cid: uniform_class_mix(parts)}
+
+
+def rpfedpm_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    before = parts.before
+    return {"psi before its training in the last round":
+            lambda cid: with_client(rpfedpm(parts, cid), **psi_of(before[cid])),
+            "the initial psi": lambda cid: with_client(rpfedpm(parts, cid), **psi_of(parts.rec.clients[0][cid])),
+            "the class features of the previous round": lambda cid: with_client(
+                rpfedpm(parts, cid), class_features=before[cid]["class_features"], available=before[cid]["available"])}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How a client's evaluated model is assembled from the parts, and the wrong assemblies to tell
+    it from beyond the wrong parts (`wrong_parts`), which every rule is fed."""
+    assemble: Callable[[Parts, int], Expected]
+    # The model holds a server aggregate (a mean, a cluster model, a re-trained head...): then the
+    # client's own trained model is a wrong assembly too.
+    holds_aggregate: bool
+    wrong: Callable[[Parts], dict[str, Callable[[int], Expected]]] | None = None  # other models of the run
+
+    def __call__(self, parts: Parts, cid: int) -> Expected:
+        return self.assemble(parts, cid)
+
+    def described(self) -> str:
+        return f"{self.assemble.__name__} ({' '.join((self.assemble.__doc__ or '').split())})"
+
+
+# The standard assemblies a class names in `evaluated_model` (core.contract.EvaluatedModel).
+STANDARD_RULES: dict[str, Rule] = {
+    "global": Rule(global_model, holds_aggregate=True),
+    "own": Rule(last_trained, holds_aggregate=False, wrong=downloaded_model),
+    "shared_body": Rule(shared_and_private("body"), holds_aggregate=True),
+    "shared_head": Rule(shared_and_private("head"), holds_aggregate=True),
+}
+# The methods declaring evaluated_model = "custom", each with its own rule.
+CUSTOM_RULES: dict[str, Rule] = {
+    "perfedavg": Rule(perfedavg, True), "creff": Rule(creff, True), "ccvr": Rule(ccvr, True, ccvr_wrong), "cfl": Rule(cfl, True),
+    "ifca": Rule(ifca, True), "fedpfa": Rule(fedpfa, True), "l2gd": Rule(l2gd, False),
+    "ditto": Rule(ditto, False, ditto_wrong), "apfl": Rule(apfl, False), "fedbabu": Rule(fedbabu, True),
+    "fedavgft": Rule(fedavgft, True), "fedbn": Rule(fedbn, True, fedbn_wrong),
+    "fedrod": Rule(fedrod, True), "fedgh": Rule(fedgh, False), "fedpac": Rule(fedpac, True),
+    "fednh": Rule(fednh, False), "fedproto": Rule(fedproto, False), "rpfedpm": Rule(rpfedpm, False, rpfedpm_wrong),
+    "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
+    "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
+    "qffl": Rule(qffl, True),
 }
 
 
-def extra_wrong_parts(algorithm: str, parts: Parts) -> dict[str, Callable[[int], Expected]]:
+def rule_for(algorithm: type[Algorithm]) -> Rule:
+    """The rule `algorithm` declares (`evaluated_model`); a test failure saying what to do when
+    there is none."""
+    declared, name = algorithm.evaluated_model, algorithm.name
+    if declared is None:
+        pytest.fail(f"{name} does not declare how its evaluated model is assembled: set `evaluated_model` on "
+                    f"{algorithm.__name__} to one of {', '.join(EVALUATED_MODELS)} (core/contract.py says what "
+                    f"each means; compare with its client_model and docs/algorithms/{name}.md)")
+    if declared != "custom":
+        return STANDARD_RULES[declared]
+    if name not in CUSTOM_RULES:
+        pytest.fail(f"{name} declares evaluated_model = 'custom' but tests/test_evaluated_model.py has no rule "
+                    f"for it: add one to CUSTOM_RULES under {name!r} (read its client_model and "
+                    f"docs/algorithms/{name}.md), or declare the standard rule it follows")
+    return CUSTOM_RULES[name]
+
+
+def extra_wrong_parts(rule: Rule, parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """Wrong assemblies that no substitution of parts produces: other models of the same run."""
-    rule = RULES[algorithm]
     own = {"the client's own trained model instead of the aggregate":
            lambda cid: Expected(model_only(parts.trained(cid, -1)))}
-    downloaded = {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
-    extras: dict[str, dict[str, Callable[[int], Expected]]] = {
-        "ditto": {"the global model instead of the personal one": lambda cid: Expected(parts.server["params"])},
-        "dapfl": downloaded, "fedamp": downloaded,
-        "pfedcs": {
-            "the fine-tuned teacher head (the first Fit's) instead of the own trained head":
-                lambda cid: replace_head(rule(parts, cid), select(parts.trained(cid, 0), "head")),
-            "the downloaded customised classifier v_k": lambda cid: replace_head(rule(parts, cid),
-                                                                              parts.download(cid)["head"])},
-        "fedrema": {"the personalised head sent in the last round (stale)": lambda cid: replace_head(
-            rule(parts, cid), parts.download(cid)["head"])},
-        "cwfedavg": {"the uniform class mix (the initial p~)": lambda cid: uniform_class_mix(parts)},
-        "rpfedpm": {
-            "psi before its training in the last round": lambda cid: with_client(
-                rule(parts, cid), **psi_of(parts.before[cid])),
-            "the initial psi": lambda cid: with_client(rule(parts, cid), **psi_of(parts.rec.clients[0][cid])),
-            "the class features of the previous round": lambda cid: with_client(
-                rule(parts, cid), class_features=parts.before[cid]["class_features"],
-                available=parts.before[cid]["available"])},
-    }
-    averaged = ("fedavg", "fedprox", "feduv", "moon", "cfl", "creff", "fedper", "fedrep", "lg_fedavg", "fedbabu",
-                "fedrod", "fedpac", "fedrema", "cwfedavg", "pfedcs", "ifca", "fedpfa")
-    return {**(own if algorithm in averaged else {}), **extras.get(algorithm, {})}
+    return {**(own if rule.holds_aggregate else {}), **(rule.wrong(parts) if rule.wrong else {})}
 
 
 def replace_head(expected: Expected, head: Params) -> Expected:
@@ -572,20 +681,20 @@ def differing(expected: Params, evaluated: Params) -> list[str]:
 def assert_evaluates_assembly(algorithm: str, rec: Recording, result) -> None:
     """Checks 1-3 of the module docstring for every client of the last round."""
     parts = true_parts(rec, [int(c.n_train) for c in rec.runtime.data.clients])
-    rule, losses = RULES[algorithm], recorded_losses(result)
+    rule, losses = rule_for(get_algorithm(algorithm)), recorded_losses(result)
     powerless, distinct = [], set()
     for cid in range(NUM_CLIENTS):
         expected = rule(parts, cid)
         evaluated = rec.adapted[ROUNDS, cid][0].params if expected.adapt is not None else rec.evaluated[ROUNDS, cid][0]
         assert same_params(evaluated, expected.params), (
-            f"{algorithm}: client {cid} was evaluated with other parameters than {rule.__name__} assembles "
-            f"({' '.join((rule.__doc__ or '').split())}); differing: {differing(expected.params, evaluated)}")
+            f"{algorithm}: client {cid} was evaluated with other parameters than {rule.described()} "
+            f"assembles; differing: {differing(expected.params, evaluated)}")
         loss = own_loss(rec, parts, cid, expected)
         assert math.isclose(losses[cid], loss, rel_tol=1e-6, abs_tol=1e-9), (
             f"{algorithm}: client {cid}'s recorded loss {losses[cid]} is not the loss {loss} of the model "
-            f"{rule.__name__} assembles")
+            f"{rule.assemble.__name__} assembles")
         wrong = {label: (lambda c, p=p: rule(p, c)) for label, p in wrong_parts(parts).items()}
-        wrong.update(extra_wrong_parts(algorithm, parts))
+        wrong.update(extra_wrong_parts(rule, parts))
         for label, assemble in wrong.items():
             try:
                 alternative = assemble(cid)
@@ -603,8 +712,26 @@ def assert_evaluates_assembly(algorithm: str, rec: Recording, result) -> None:
 
 @pytest.mark.parametrize(("algorithm", "changes"), CASES)
 def test_every_algorithm_evaluates_the_downloaded_and_trained_parts(algorithm, changes, tmp_path, monkeypatch):
-    if algorithm not in RULES:
-        pytest.fail(f"{algorithm} has no evaluated-model rule in tests/test_evaluated_model.py RULES; add one "
-                    "(read its client_model and docs/algorithms/{algorithm}.md)")
+    rule_for(get_algorithm(algorithm))  # fails first, saying what to declare or add, when there is no rule
     rec, result = recorded_run(algorithm, tmp_path, monkeypatch, changes)
     assert_evaluates_assembly(algorithm, rec, result)
+
+
+def test_custom_rules_belong_to_methods_declaring_custom():
+    """A method that moved to a standard rule (or went) leaves no custom rule behind that nothing runs."""
+    stale = {name: get_algorithm(name).evaluated_model if name in algorithm_names() else "not registered"
+             for name in CUSTOM_RULES
+             if name not in algorithm_names() or get_algorithm(name).evaluated_model != "custom"}
+    assert stale == {}
+
+
+def test_a_method_without_a_rule_fails_saying_what_to_declare_or_add():
+    from pfedkit.algorithms.fedavg import FedAvg
+
+    undeclared = type("Undeclared", (FedAvg,), {"name": "undeclared", "evaluated_model": None})
+    with pytest.raises(pytest.fail.Exception, match="does not declare .* set `evaluated_model` on Undeclared"):
+        rule_for(undeclared)
+    custom = type("Mixed", (FedAvg,), {"name": "mixed", "evaluated_model": "custom"})
+    with pytest.raises(pytest.fail.Exception, match="no rule for it: add one to CUSTOM_RULES under 'mixed'"):
+        rule_for(custom)
+    assert rule_for(type("Plain", (FedAvg,), {"name": "plain"})) is STANDARD_RULES["global"]  # inherited

@@ -8,7 +8,7 @@ import torch
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.fedprox import FedProx, proximal_loss
 from pfedkit.core.aggregation import fedavg_aggregate
-from pfedkit.core.contract import ClientData, Forward, NoHyper, Setup
+from pfedkit.core.contract import ClientData, Forward, HyperParams, Setup
 
 
 def test_fedavg_weights_each_reply_by_its_sample_count():
@@ -18,7 +18,7 @@ def test_fedavg_weights_each_reply_by_its_sample_count():
 
 
 def test_fedavg_reply_weight_is_the_clients_training_set_size():
-    algo = FedAvg(NoHyper(), Setup(1, 2, np.ones((1, 2)), seed=0, local_epochs=1, ops=None))
+    algo = FedAvg(HyperParams(), Setup(1, 2, np.ones((1, 2)), seed=0, local_epochs=1, ops=None))
     data = ClientData(0, torch.zeros(7, 3), torch.zeros(7), torch.zeros(2, 3), torch.zeros(2), np.array([4, 3]))
     update = algo.client_update(1, 0, None, {"params": {"w": torch.ones(2)}}, data)
     next(update)

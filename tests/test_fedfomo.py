@@ -13,8 +13,8 @@ from pfedkit.algorithms.fedfomo import (DISTANCE_EPS, FedFomo, choose_peers, exp
                                         fomo_weights, improvement_ratios, parameter_distance, top_peers,
                                         validation_size, validation_split)
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import flatten
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.run_files import read_diagnostics
 

@@ -14,9 +14,9 @@ from pfedkit.algorithms.fedgh import FedGH
 from pfedkit.config import load_config
 from pfedkit.core.contract import ClientData, Setup
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import select
 from pfedkit.core.seeds import SERVER, torch_generator
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.runs import prepare
 

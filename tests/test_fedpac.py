@@ -16,8 +16,8 @@ from pfedkit.core.contract import ClientData, Forward, Setup
 from pfedkit.algorithms.fedpac import (FedPAC, collaboration_matrix, collaboration_weights, feature_statistics,
                                        project_psd, simplex_kkt_residual, solve_simplex_qp, sparsify_weights)
 from pfedkit.algorithms.prototypes import alignment_loss
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import merge, select
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 
 

@@ -14,8 +14,8 @@ import pfedkit
 from pfedkit.algorithms.fedpfa import FedPFA, group_clients, nearest_group, sparsity_vector
 from pfedkit.core.contract import ClientData, Setup, message_bytes
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import weighted_mean
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.run_files import read_diagnostics

@@ -13,8 +13,8 @@ from pfedkit.core.contract import ClientData, Forward, Setup, cross_entropy
 from pfedkit.algorithms.fedrema import (FedReMa, alignment_loss, ccp_continues, class_prototypes,
                                         global_prototypes, mds, relevance_matrix, soft_predictions)
 from pfedkit.config import load_config
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import flatten, select
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.state import read_checkpoint
 from pfedkit.models import BodyHeadModel
 from pfedkit.report.methods import draw_diagnostics

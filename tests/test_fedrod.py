@@ -11,7 +11,7 @@ from torch import nn
 
 from pfedkit.algorithms.fedrod import ABSENT_LOG_COUNT, FedRoD, fedrod_loss, log_class_counts
 from pfedkit.core.contract import ClientData, Forward, Setup
-from pfedkit.engine.model_ops import ModelOps
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.models.base import BodyHeadModel
 
 COUNTS = np.array([5, 0, 2, 9])  # class 1 absent

@@ -13,8 +13,8 @@ from pfedkit.algorithms.fedsoft import (FedSoft, centre_weights, importance_weig
                                         select_for_centre, soft_proximal_loss)
 from pfedkit.config import load_config
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import flatten
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare

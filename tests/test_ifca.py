@@ -10,8 +10,8 @@ from conftest import TinyNet, learned_run, num_parameters, tiny_params
 import pfedkit
 from pfedkit.algorithms.ifca import IFCA, choose_cluster
 from pfedkit.core.contract import ClientData, Setup
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import weighted_mean
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.report.methods import draw_diagnostics
 from pfedkit.run_files import read_diagnostics
 

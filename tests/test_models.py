@@ -16,6 +16,8 @@ CONFIGS = [
     ("mlp", (64,), 10, {}),
     ("cnn", MNIST, 10, {}),
     ("cnn", CIFAR, 100, {}),
+    ("cnn_bn", MNIST, 10, {}),
+    ("cnn_bn", CIFAR, 10, {}),
     ("alexnet", CIFAR, 10, {}),
     ("resnet18", CIFAR, 10, {}),
     ("resnet18", CIFAR, 10, {"stem": "imagenet"}),
@@ -50,6 +52,8 @@ def example_batch(input_shape, batch_size=3):
     ("cnn", CIFAR, 10, {}, 878_538),
     ("cnn", CIFAR, 100, {}, 924_708),
     ("cnn", (3, 64, 64), 200, {}, 5_694_600),
+    ("cnn_bn", MNIST, 10, {}, 583_242),
+    ("cnn_bn", CIFAR, 10, {}, 879_754),
     ("alexnet", CIFAR, 10, {}, 3_868_746),
     ("resnet18", CIFAR, 10, {}, 11_173_962),
     ("resnet18", CIFAR, 10, {"stem": "imagenet"}, 11_181_642),
@@ -85,6 +89,8 @@ def test_body_and_head_counts_match_spec(name, input_shape, num_classes, head, o
     ("cnn", MNIST, "last", {}, 512),
     ("cnn", MNIST, "fc", {}, 64 * 4 * 4),
     ("cnn", CIFAR, "fc", {}, 64 * 5 * 5),
+    ("cnn_bn", MNIST, "last", {}, 512),
+    ("cnn_bn", MNIST, "fc", {}, 64 * 4 * 4),
     ("alexnet", CIFAR, "last", {}, 512),
     ("alexnet", CIFAR, "fc", {}, 2304),
     ("resnet18", CIFAR, "last", {}, 512),
@@ -187,6 +193,15 @@ def test_cnn_proto_layer_order_and_dropout():
     assert build_model("cnn_proto", (1, 128, 128), 62, kernel=3).body.conv1.kernel_size == (3, 3)
 
 
+def test_cnn_bn_is_cnn_with_batchnorm_before_each_hidden_relu():
+    model, plain = build_model("cnn_bn", MNIST, 10), build_model("cnn", MNIST, 10)
+    assert layer_types(model) == [
+        "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "Flatten",
+        "Linear", "BatchNorm1d", "ReLU", "Linear"]
+    shapes = {key: value.shape for key, value in model.named_parameters() if ".bn" not in key}
+    assert shapes == {key: value.shape for key, value in plain.named_parameters()}
+
+
 def test_resnet_stems():
     cifar = build_model("resnet18", CIFAR, 10)
     assert cifar.body.conv1.kernel_size == (3, 3) and not hasattr(cifar.body, "maxpool")
@@ -210,7 +225,7 @@ def test_dropout_is_off_in_eval_mode_and_on_in_train_mode():
 
 def test_registry_lists_every_model_with_a_one_line_description():
     assert model_names() == list(MODELS)
-    assert set(model_names()) == {"mlp", "cnn", "alexnet", "resnet18", "cnn_cifar",
+    assert set(model_names()) == {"mlp", "cnn", "cnn_bn", "alexnet", "resnet18", "cnn_cifar",
                                   "cnn_cifar100", "cnn_proto", "fasttext"}
     for name, info in MODELS.items():
         assert info.name == name and info.description and "\n" not in info.description
@@ -262,7 +277,7 @@ def test_layer_state_dict_rejects_another_architecture():
 
 
 def test_model_ops_chunked_forward_equals_one_forward():
-    from pfedkit.engine.model_ops import ModelOps
+    from pfedkit.core.model_ops import ModelOps
     ops = ModelOps(lambda: build_model("mlp", (6,), 3))
     params, x = ops.initial_params(), torch.randn(11, 6, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ops.logits(params, x, chunk=4), ops.logits(params, x))

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import quick_options
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names
@@ -16,15 +17,14 @@ from pfedkit.config import load_config
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.seeds import sample_clients
-from pfedkit.engine.simulate import NEW_CLIENT_PURPOSE, choose_new_clients
+from pfedkit.engine.local_clients import NEW_CLIENT_PURPOSE
+from pfedkit.engine.simulate import choose_new_clients
 from pfedkit.engine.trainer import FitJob, LocalTrainer
 from pfedkit.evaluation import summarize
 from pfedkit.runs import prepare
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# The algorithms that refuse new clients (Algorithm.new_client_refusal), each for a stated reason.
-REFUSING = {"dapfl", "fedamp", "fedfomo", "fedproto", "pfedpm", "rpfedpm", "pfedcs"}
 LEGACY_COLUMNS = ["round", "client", "participated", "n_train", "n_test", "correct", "accuracy", "loss",
                   "balanced_acc", "train_loss", "train_steps", "bytes_down", "bytes_up", "dropped"]
 
@@ -222,19 +222,31 @@ def test_backends_agree_on_new_clients(backend, tmp_path):
     assert sequential.summary["new_clients"] == other.summary["new_clients"]
 
 
+def refusal_at_defaults(algorithm: str, tmp_path) -> str | None:
+    """Why `algorithm`, built at its default options, refuses new clients (`new_client_refusal`);
+    None: it takes them."""
+    context = prepared(base(tmp_path, algorithm=algorithm, **quick_options(algorithm)), tmp_path)
+    context.runtime.close()
+    return context.simulation.algorithm.new_client_refusal()
+
+
 @pytest.mark.parametrize("algorithm", algorithm_names())
 def test_every_algorithm_supports_new_clients_or_refuses_in_one_line(algorithm, tmp_path):
+    """A run with a new client refuses exactly when the class gives a reason, in one line that says it."""
+    reason = refusal_at_defaults(algorithm, tmp_path)
     config = {"algorithm": algorithm, "dataset": "digits", "num_clients": 4, "rounds": 1, "threads": 1,
               "batch_size": 20, "seed": 1, "new_clients": 1, "new_client_finetune": 1,
-              "out_dir": str(tmp_path / "runs"), "partition": {"scheme": "dirichlet", "alpha": 0.5}}
+              "out_dir": str(tmp_path / "runs"), "partition": {"scheme": "dirichlet", "alpha": 0.5},
+              **quick_options(algorithm)}
     try:
         result = pfedkit.run(config)
     except ConfigError as err:
         message = str(err)
+        assert reason is not None, f"{algorithm} refuses new clients, but its new_client_refusal() is None: {message}"
         assert "\n" not in message and f"algorithm {algorithm} " in message and "new_clients" in message
-        assert algorithm in REFUSING, f"{algorithm} refuses new clients: {message}"
+        assert reason in message
         return
-    assert algorithm not in REFUSING, f"{algorithm} was expected to refuse new clients"
+    assert reason is None, f"{algorithm} says it cannot take new clients ({reason}), yet the run took one"
     newcomers = result.metrics[result.metrics["new_client"] == 1]
     assert len(newcomers) == 1 and newcomers["participated"].eq(0).all()
     assert newcomers["accuracy"].between(0, 1).all() and np.isfinite(newcomers["loss"]).all()

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import pfedkit
-from pfedkit.core.contract import Algorithm, ClientData, Fit, Forward, NoHyper, Setup, cross_entropy
+from pfedkit.core.contract import Algorithm, ClientData, Fit, Forward, HyperParams, Setup, cross_entropy
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import clone, merge, select, weighted_mean
 from pfedkit.algorithms.pfedcs import (PFedCS, candidate_mask, classifier_distances, classifier_loss,
                                        dca_terms, dca_weights, distance_threshold, kl_guided_loss,
                                        normalise_logits, plan_collaboration, row_normalise, teacher_logits)
 from pfedkit.config import load_config
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.models import build_model
 from pfedkit.run_files import read_diagnostics
 from pfedkit.runs import prepare
@@ -468,7 +468,7 @@ def test_rounds_after_beta_are_identical_to_fedper(tmp_path):
     pfedcs = pfedkit.run(config)
     prepared = prepare(load_config(config))
     simulation = prepared.simulation
-    simulation.algorithm = ReferenceFedPer(NoHyper(), simulation.algorithm.setup)
+    simulation.algorithm = ReferenceFedPer(HyperParams(), simulation.algorithm.setup)
     ops = simulation.algorithm.setup.ops
     state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
     try:

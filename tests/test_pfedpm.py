@@ -20,8 +20,8 @@ from pfedkit.algorithms.prototype_exchange import (class_distance_regulariser, f
 from pfedkit.algorithms.prototypes import class_means, message_to_table, table_to_message
 from pfedkit.config import load_config
 from pfedkit.core.errors import ConfigError
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.seeds import torch_generator
-from pfedkit.engine.model_ops import ModelOps
 from pfedkit.engine.state import read_checkpoint
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, request_schedule
 from pfedkit.models import build_model

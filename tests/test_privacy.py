@@ -12,20 +12,23 @@ import torch
 import dp_accounting
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from conftest import quick_options, refusal
 from torch import nn
 
 import pfedkit
+from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
-from pfedkit.core.aggregation import SampleWeightedMean
-from pfedkit.core.contract import NoHyper, Setup
+from pfedkit.core.aggregation import MeanOfUploads, SampleWeightedMean
+from pfedkit.core.contract import HyperParams, Setup
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.privacy.accounting import epsilon
-from pfedkit.privacy.client_dp import ClientDP, ClientDPMean, clipped_model, update_norm
+from pfedkit.privacy.client_dp import ClientDP, ClientDPAggregation, ClientDPMean, clipped_model, update_norm
 from pfedkit.privacy.dp_sgd import batchnorm_layers, batchnorm_to_groupnorm, privatize
-from pfedkit.privacy.setup import aggregates_by_mean, check_sample_dp, mean_algorithms
+from pfedkit.privacy.setup import check_sample_dp, mean_algorithms
+from pfedkit.run_files import read_diagnostics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -114,14 +117,14 @@ def test_aggregate_moves_by_at_most_clip_over_m_per_client_without_noise():
 
 
 def test_client_dp_ignores_sample_size_weights():
-    """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the streamed
-    FedAvg aggregation with client_dp gives the uniform mean of the (unclipped) uploads."""
+    """DP averages uniformly even when FedAvg's n_i shares would differ (n = 10 vs 90): the round's
+    aggregation client-level DP gives FedAvg is the uniform mean of the (unclipped) uploads."""
     counts = np.array([[10], [90]])
-    algo = FedAvg(NoHyper(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
-    algo.client_dp = ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0)
+    algo = FedAvg(HyperParams(), Setup(2, 1, counts, seed=0, local_epochs=1, ops=None))
+    private = ClientDPAggregation(ClientDP(clip=math.inf, noise_multiplier=0.0, seed=0), algo)
     reference = model_params(0)
     uploads = {cid: {n: reference[n] + 0.01 * t for n, t in model_params(cid + 5).items()} for cid in (0, 1)}
-    agg = algo.start_aggregation(1, {"params": reference}, [0, 1])
+    agg = private(1, {"params": reference}, [0, 1])
     for cid in (1, 0):
         agg.add(cid, {"params": uploads[cid], "weight": int(counts[cid].sum())})
     result = agg.finish()["params"]
@@ -321,26 +324,34 @@ def test_prv_accountant_matches_opacus_prv():
 
 # --- refusals and config ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("algorithm", ["local", "fedamp", "ifca"])
-def test_client_dp_refuses_algorithms_that_do_not_average_updates(equal_clients, algorithm, tmp_path):
-    with pytest.raises(ConfigError) as err:
-        pfedkit.run({**equal_clients, "algorithm": algorithm, "dp": {"level": "client"}})
-    message = str(err.value)
-    assert "\n" not in message and f"algorithm {algorithm}" in message and "fedavg" in message
-    assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_client_dp_attaches_or_refuses_in_one_line(equal_clients, algorithm, tmp_path):
+    """Client-level DP either refuses the method before any run directory, in one line naming it and
+    the methods it applies to, or runs it through DP's mean: with an unreachable clip and no noise
+    that is the plain run (equal n_i: the uniform mean is the n_i-weighted one), with a tiny clip
+    the server barely moves, so the numbers change, and the round's clipping diagnostics exist.
+    Which of the two: the method's aggregation (`MeanOfUploads`)."""
+    config = {**equal_clients, "algorithm": algorithm, **quick_options(algorithm)}
+    loose = {**config, "name": "loose", "dp": {"level": "client", "clip": 1e30, "noise_multiplier": 0.0}}
+    if not issubclass(get_algorithm(algorithm), MeanOfUploads):
+        message = refusal(pfedkit.run, loose)
+        assert f"algorithm {algorithm} " in message and message.endswith(f"allowed with: {', '.join(mean_algorithms())}")
+        assert not any((tmp_path / "runs").glob("*"))  # refused before any run directory stays
+        return
+    plain = pd.read_csv(pfedkit.run({**config, "name": "plain"}).run_dir / "metrics.csv")
+    private = pd.read_csv(pfedkit.run(loose).run_dir / "metrics.csv")
+    assert np.isinf(private["epsilon"]).all() and plain.equals(private.drop(columns="epsilon"))
+    tight = pfedkit.run({**loose, "name": "tight", "dp": {**loose["dp"], "clip": 1e-6}})
+    assert not np.array_equal(tight.metrics["loss"].dropna(), plain["loss"].dropna())
+    diagnostics = read_diagnostics(tight.run_dir / "diagnostics.pt")
+    assert set(diagnostics["dp_clipped_fraction"]) == set(range(1, config["rounds"] + 1))
 
 
 def test_client_dp_applies_exactly_to_the_algorithms_declaring_the_mean_of_uploads():
-    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`,
-    docs/privacy.md's list), and not a subclass that aggregates otherwise."""
-    assert mean_algorithms() == ["apfl", "ditto", "fedavg", "fedbabu", "fedper", "fedprox", "fedrep", "fedrod",
-                                 "feduv", "lg_fedavg", "moon", "perfedavg"]
-
-    class Halved(FedAvg):
-        def aggregate(self, rnd, server, replies):
-            return {"params": {k: v / 2 for k, v in FedAvg.aggregate(self, rnd, server, replies)["params"].items()}}
-
-    assert aggregates_by_mean(FedAvg) and not aggregates_by_mean(Halved)
+    """The algorithms whose server keeps the n_i-weighted mean of the uploads (`MeanOfUploads`); a
+    subclass cannot aggregate otherwise (tests/test_speed_paths.py)."""
+    assert {"fedavg", "fedprox", "fedper", "fedbabu"} <= set(mean_algorithms())
+    assert not {"local", "fedamp", "ifca"} & set(mean_algorithms())
 
 
 @pytest.mark.parametrize("override, key", [("dp.level=both", "dp.level"), ("dp.clip=0", "dp.clip"),

@@ -7,6 +7,7 @@ import ast
 import inspect
 import textwrap
 import typing
+from typing import Protocol
 
 import pytest
 
@@ -19,7 +20,7 @@ from pfedkit.engine.runtimes.processes import ProcessRuntime
 from pfedkit.engine.runtimes.ray import RayRuntime  # imports Ray only when a RayRuntime is made
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
-from pfedkit.engine.simulate import LocalClients
+from pfedkit.engine.local_clients import LocalClients
 
 RUNTIME_CLASSES = {"sequential": SequentialRuntime, "processes": ProcessRuntime,
                    "vectorized": VectorizedRuntime, "ray": RayRuntime}
@@ -78,8 +79,8 @@ def conformance_problems(cls: type, protocol: type) -> list[str]:
 
 def test_the_protocols_declare_what_the_round_loop_calls():
     # A rename or a dropped method in a Protocol changes these lists (and fails the checks below).
-    assert protocol_methods(Runtime) == ["fit_stream", "fit_many", "evaluate_many", "close"]
-    assert protocol_methods(Clients) == ["start", "reports", "train", "evaluate"]
+    assert protocol_methods(Runtime) == ["fit_stream", "fit_many", "evaluate_many", "describe_devices", "close"]
+    assert protocol_methods(Clients) == ["start", "reports", "train", "evaluate", "describe_devices"]
     assert protocol_methods(EvaluatesNewClients) == ["evaluate_new"]
 
 
@@ -118,15 +119,15 @@ def test_the_checker_catches_a_missing_parameter_a_renamed_method_and_a_missing_
             pass
 
     class Renamed:
-        threads = None
-        device = None
-
         def fit_stream(self, jobs): ...
         def fit_many(self, jobs): ...
         def evaluate_many(self, items): ...
+        def describe_devices(self): ...
         def shutdown(self): ...
 
-    class NoThreads:
+    class DeviceAsAnAttribute:  # the summary's device must be asked for, not probed for
+        device = None
+
         def fit_stream(self, jobs): ...
         def fit_many(self, jobs): ...
         def evaluate_many(self, items): ...
@@ -138,7 +139,13 @@ def test_the_checker_catches_a_missing_parameter_a_renamed_method_and_a_missing_
         "fit_many: parameter 1 should be jobs (positional or keyword), found requests (positional or keyword)"]
     assert conformance_problems(NeedsAnExtraArgument, Runtime) == ["close: extra parameter force has no default"]
     assert conformance_problems(Renamed, Runtime) == ["no method close"]
-    assert conformance_problems(NoThreads, Runtime) == ["no attribute threads", "no attribute device"]
+    assert conformance_problems(DeviceAsAnAttribute, Runtime) == ["no method describe_devices"]
+
+    class Named(Protocol):  # a protocol declaring an attribute
+        name: str
+
+    assert conformance_problems(SequentialRuntime, Named) == []  # a class attribute
+    assert conformance_problems(Renamed, Named) == ["no attribute name"]
 
 
 def test_backend_table_config_and_command_line_name_the_same_backends():
@@ -161,7 +168,26 @@ def test_unknown_backend_error_is_one_line_naming_the_allowed_ones():
     unchecked = load_config(None, ["device=cpu"]).model_copy(update={"backend": "gpu"})  # past the config's check
     with pytest.raises(ConfigError, match=r"^backend: 'gpu' is not available; allowed: sequential, processes, "
                                           r"vectorized, ray$"):
-        build.make_runtime(unchecked, lambda: None, None)
+        build.make_runtime(unchecked, lambda: None, None, threads=1)
+
+
+RUNTIME_HOMES = {"sequential": "pfedkit.build", "processes": "pfedkit.build",  # where each factory finds its class
+                 "vectorized": "pfedkit.engine.runtimes.vectorized", "ray": "pfedkit.engine.runtimes.ray"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_builds_its_runtime_with_the_thread_count_it_is_given(backend, monkeypatch):
+    """`make_runtime` passes the count the run decided (`build.run_threads`), not the config's."""
+    received = []
+
+    class Recorder:
+        def __init__(self, *args, threads, **kwargs):
+            received.append(threads)
+
+    monkeypatch.setattr(f"{RUNTIME_HOMES[backend]}.{RUNTIME_CLASSES[backend].__name__}", Recorder)
+    config = load_config(None, [f"backend={backend}", "device=cpu", "threads=3"])
+    build.make_runtime(config, lambda: None, None, threads=5)
+    assert received == [5]
 
 
 @pytest.mark.parametrize("backend", ["sequential", "vectorized"])
@@ -173,9 +199,9 @@ def test_the_table_builds_the_configured_runtime(backend, small_config):
     config = load_config({**small_config, "backend": backend, "device": "cpu"})
     data = build_federated(split_plan(config), load_dataset(config.dataset, config.data_dir), False)
     _, archs = build.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
-    runtime = build.make_runtime(config, archs, data)
+    runtime = build.make_runtime(config, archs, data, threads=2)
     try:
         assert type(runtime) is RUNTIME_CLASSES[backend] and isinstance(runtime, Runtime)
-        assert runtime.threads == config.threads and str(runtime.device) == "cpu"
+        assert runtime.threads == 2 and runtime.describe_devices().startswith("cpu (")
     finally:
         runtime.close()

@@ -1,34 +1,35 @@
 """Each method's figures are found by name in pfedkit/report/methods/ (algorithms only record).
 
 The lookup walks the algorithm class's MRO, so a subclass in another module draws its parent's
-figures; an algorithm without a drawing module draws nothing; and no algorithm (or data) module
-imports the report package.
+figures; an algorithm without a drawing module draws nothing; every drawing module belongs to an
+algorithm module (no orphan), and every method that has one draws its figures from a real run;
+no algorithm (or data) module imports the report package. Which methods draw is found from the
+code, never listed: a method's figures are its one file in report/methods/.
 """
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
+from conftest import quick_options
 
 import pfedkit
 from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.pfedpm import PFedPM
-from pfedkit.report.methods import draw_diagnostics, drawing_module_name
+from pfedkit.report.methods import ALGORITHMS_PACKAGE, draw_diagnostics, drawing_module_name
 from pfedkit.run_files import read_diagnostics
 
 PACKAGE = Path(pfedkit.__file__).parent
-
-# every algorithm whose class had its own (or an inherited) `report` before the figures moved here
-WITH_FIGURES = ("cfl", "creff", "cwfedavg", "dapfl", "fedamp", "feddistill", "fedfomo", "fednh", "fedpfa",
-                "fedproto", "fedrema", "fedsoft", "fesem", "ifca", "pfedcs", "pfedpm", "rpfedpm")
-# a few representative ones, drawn from a real run (all of them would make this file slow)
-DRAWN = ("fedrema", "pfedcs", "cwfedavg", "rpfedpm")
+METHODS = PACKAGE / "report" / "methods"
+# the methods that draw figures: those whose class (or a parent) has a drawing module
+WITH_FIGURES = [name for name in algorithm_names() if drawing_module_name(get_algorithm(name)) is not None]
 
 
 def digits_diagnostics(algorithm: str, tmp_path: Path) -> dict:
     result = pfedkit.run({"algorithm": algorithm, "dataset": "digits", "num_clients": 4, "rounds": 2,
-                          "threads": 1, "seed": 1, "out_dir": str(tmp_path / "runs")})
+                          "threads": 1, "seed": 1, "out_dir": str(tmp_path / "runs"), **quick_options(algorithm)})
     return read_diagnostics(result.run_dir / "diagnostics.pt")
 
 
@@ -37,12 +38,26 @@ def rpfedpm_diagnostics(tmp_path_factory):
     return digits_diagnostics("rpfedpm", tmp_path_factory.mktemp("rpfedpm"))
 
 
-def test_exactly_the_methods_with_figures_have_a_drawing_module():
-    found = {name for name in algorithm_names() if drawing_module_name(get_algorithm(name)) is not None}
-    assert found == set(WITH_FIGURES)
+def algorithm_modules() -> set[str]:
+    """The modules of pfedkit/algorithms/ that define a registered algorithm or one of its parents."""
+    return {klass.__module__.removeprefix(ALGORITHMS_PACKAGE) for name in algorithm_names()
+            for klass in get_algorithm(name).__mro__ if klass.__module__.startswith(ALGORITHMS_PACKAGE)}
 
 
-@pytest.mark.parametrize("algorithm", DRAWN)
+def test_drawing_modules_are_those_of_algorithm_modules_and_draw():
+    """report/methods/M.py draws (has `draw`) exactly when pfedkit/algorithms/M.py defines an
+    algorithm: no drawing that no method reaches (an orphan, e.g. left behind by a renamed method),
+    and no module the lookup finds that cannot draw. Other modules there are helpers (shared.py)."""
+    owners = algorithm_modules()
+    modules = sorted(path.stem for path in METHODS.glob("*.py") if path.stem != "__init__")
+    draws = {name: callable(getattr(importlib.import_module(f"pfedkit.report.methods.{name}"), "draw", None))
+             for name in modules}
+    assert {name for name, has_draw in draws.items() if has_draw and name not in owners} == set(), "orphans"
+    assert {name for name, has_draw in draws.items() if not has_draw and name in owners} == set(), "cannot draw"
+    assert WITH_FIGURES  # the lookup finds them
+
+
+@pytest.mark.parametrize("algorithm", WITH_FIGURES)
 def test_a_real_runs_diagnostics_are_drawn(algorithm, tmp_path, rpfedpm_diagnostics):
     diagnostics = rpfedpm_diagnostics if algorithm == "rpfedpm" else digits_diagnostics(algorithm, tmp_path)
     written = draw_diagnostics(get_algorithm(algorithm), diagnostics, tmp_path / "report")

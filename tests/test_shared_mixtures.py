@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pfedkit.algorithms import clusters, peers, scoring
-from pfedkit.engine.model_ops import ModelOps
+from pfedkit.core.model_ops import ModelOps
 from tests.conftest import TinyNet, tiny_params
 
 

@@ -17,7 +17,7 @@ import pfedkit
 from pfedkit.algorithms import get_algorithm
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.config import load_config
-from pfedkit.core.aggregation import CollectReplies, SampleWeightedMean
+from pfedkit.core.aggregation import MeanOfUploads, SampleWeightedMean
 from pfedkit.core.contract import Algorithm, Setup
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import weighted_mean
@@ -101,16 +101,23 @@ def test_a_reply_with_another_weight_or_from_a_non_participant_is_refused():
         aggregation.add(1, replies[1])
 
 
-def test_a_subclass_with_its_own_aggregate_keeps_the_batch_path():
-    class Halved(FedAvg):
-        name = "halved_fedavg_for_test"
+@pytest.mark.parametrize("hook", ["aggregate", "start_aggregation"])
+def test_a_mean_of_uploads_subclass_that_aggregates_otherwise_is_refused_when_defined(hook):
+    """`MeanOfUploads` means "the server state is the mean of the uploads" (what client-level DP
+    replaces), so a subclass overriding either entry point, directly or through a mixin placed
+    before it, is a TypeError at its definition, in one line naming the class and the hook."""
+    def halved(self, *args):
+        return FedAvg.aggregate(self, *args) if hook == "aggregate" else FedAvg.start_aggregation(self, *args)
 
-        def aggregate(self, rnd, server, replies):
-            return {"params": {k: v / 2 for k, v in FedAvg.aggregate(self, rnd, server, replies)["params"].items()}}
-
-    counts = np.array([[3, 4], [5, 6]])
-    algorithm = Halved(Halved.Hyper(), Setup(2, 2, counts, 0, 1, ops=None))
-    assert isinstance(algorithm.start_aggregation(1, {}, [0, 1]), CollectReplies)
+    with pytest.raises(TypeError, match=rf"^Halved overrides {hook}, .*subclass Algorithm") as err:
+        type("Halved", (FedAvg,), {hook: halved})
+    assert "\n" not in str(err.value)
+    Mixin = type("Mixin", (), {hook: halved})
+    with pytest.raises(TypeError, match=rf"^Mixed overrides {hook}"):
+        type("Mixed", (Mixin, FedAvg), {})
+    with pytest.raises(TypeError, match=r"^Behind overrides aggregate"):  # the mixin must come before Algorithm
+        type("Behind", (Algorithm, MeanOfUploads), {})
+    assert issubclass(type("Plain", (FedAvg,), {"averaged": "params"}), MeanOfUploads)  # naming the key is fine
 
 
 def test_streaming_runs_equal_batch_aggregation_runs(small_config, tmp_path, monkeypatch):

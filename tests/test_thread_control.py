@@ -16,9 +16,13 @@ import torch
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
 import pfedkit
-from pfedkit.algorithms.fedavg import FedAvg
+from pfedkit import build, runs
 from pfedkit.algorithms.registry import registry
-from pfedkit.core.contract import Fit, cross_entropy
+from pfedkit.config import load_config
+from pfedkit.core.backends import BACKENDS
+from pfedkit.core.aggregation import fedavg_aggregate
+from pfedkit.core.contract import Algorithm, Fit, cross_entropy
+from pfedkit.core.params import clone
 
 OUTSIDE_THREADS = 3  # this process's torch count around the runs: never a run's count below
 
@@ -44,13 +48,14 @@ def thread_count_loss(out, y, params, context) -> torch.Tensor:
     return loss - loss.detach() + torch.get_num_threads()
 
 
-class ThreadProbe(FedAvg):
-    """FedAvg with a report, an adaptation and a custom predict, recording threads in each hook."""
+class ThreadProbe(Algorithm):
+    """FedAvg's math (its mean aggregated in batch: `aggregate` is a hook here) with a report, an
+    adaptation and a custom predict, recording threads in each hook."""
     name = "thread_probe"
 
     def init_server(self, params):
         seen("init_server")
-        return super().init_server(params)
+        return {"params": clone(params)}
 
     def init_client(self, cid, params):
         seen("init_client")
@@ -66,7 +71,7 @@ class ThreadProbe(FedAvg):
 
     def broadcast(self, rnd, server, cids):
         seen("broadcast")
-        return super().broadcast(rnd, server, cids)
+        return {cid: {"params": server["params"]} for cid in cids}
 
     def client_update(self, rnd, cid, client, message, data):
         seen("client_update: before its Fit")
@@ -75,9 +80,9 @@ class ThreadProbe(FedAvg):
         LAYOUTS[(rnd, cid)] = tuple((name, tuple(t.stride())) for name, t in sorted(params.items()))
         return client, {"params": params, "weight": data.n_train}
 
-    def aggregate(self, rnd, server, replies):  # overriding it: the batch aggregation, called once
+    def aggregate(self, rnd, server, replies):  # the batch aggregation, called once
         seen("aggregate")
-        return super().aggregate(rnd, server, replies)
+        return {"params": fedavg_aggregate(replies)} if replies else server
 
     def client_model(self, cid, server, client):
         seen("client_model")
@@ -163,6 +168,35 @@ def test_backends_show_algorithm_code_the_same_threads_and_memory_layout(probe, 
     assert sequential[0] == processes[0]
     assert sequential[1] == processes[1] and len(sequential[1]) > 0
     pd.testing.assert_frame_equal(sequential[2], processes[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_run_thread_count_is_the_configs_else_the_backends_default(backend, probe):
+    """README's `threads` row: all cores (this process's torch count) for sequential and vectorized,
+    1 per worker for processes and ray, and 1 on Flower nodes; an explicit `threads` wins everywhere."""
+    config = load_config(None, [f"backend={backend}"])
+    assert build.run_threads(config) == (1 if backend in ("processes", "ray") else OUTSIDE_THREADS)
+    assert build.run_threads(config, side_by_side=True) == 1
+    explicit = load_config(None, [f"backend={backend}", "threads=2"])
+    assert build.run_threads(explicit) == build.run_threads(explicit, side_by_side=True) == 2
+
+
+@pytest.mark.parametrize("backend", ["sequential", "processes", "vectorized"])
+def test_a_run_computes_with_the_count_build_decided(backend, probe, small_config, tmp_path, monkeypatch):
+    """The count `run_threads` returns is the one every hook and every Fit computes with: decided
+    once (here replaced by 2, which no backend's default gives: processes 1, the others this
+    process's 3) and passed to the runtime and the round loop, never read back from either."""
+    decided = []
+
+    def decide(config):
+        decided.append(config.backend)
+        return 2
+
+    monkeypatch.setattr(runs, "run_threads", decide)
+    config = {**small_config, "threads": None, "rounds": 1, "num_clients": 2, "join_ratio": 1.0}
+    records, _, metrics = probe_run(config, backend, tmp_path, workers=1)
+    assert decided == [backend]
+    assert_all_at(records, metrics, 2)
 
 
 class SmallOpProbe(ThreadProbe):

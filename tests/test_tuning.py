@@ -10,8 +10,10 @@ import optuna
 import pytest
 import yaml
 
+from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.cli import main
 from pfedkit.config import load_config
+from pfedkit.core.search import declared_ranges
 from pfedkit.data.datasets import Dataset, load_dataset
 from pfedkit.data.federated import split_indices
 from pfedkit.data.validation import carve_validation, validation_size
@@ -232,20 +234,39 @@ def test_compare_tuned_uses_tuned_params_where_tuned_and_defaults_elsewhere(tmp_
     assert "fedprox was tuned with other settings" in captured.err and "rounds: 2 -> 1" in captured.err
 
 
-def test_every_shipped_space_names_real_options_within_their_limits():
-    from pfedkit.algorithms import algorithm_names
-    from pfedkit.experiments.tuning import COMMON, check_space, read_spaces, space_for
+@pytest.mark.parametrize("algorithm", algorithm_names())
+def test_the_shipped_space_is_lr_and_the_ranges_declared_on_the_algorithm_s_options(algorithm):
+    """Each declared range is a valid spec whose two ends the config accepts and which holds its
+    option's default (the setting the range is centred on). An algorithm with options but no range
+    tunes lr only, and tune says so; one without options has nothing of its own to tune."""
+    from pfedkit.experiments.tuning import COMMON_SPACE, check_space, read_spaces, space_for
 
-    spaces = read_spaces()
-    for name in ("fedavg", "fedprox", "ditto", "fedamp", "pfedme", "fedrema", "pfedpm", "cwfedavg", "pfedcs",
-                 "dapfl", "apfl", "fedrep", "fedbabu"):
-        assert name in spaces, name
-    assert "lr" in spaces[COMMON]
-    for name in set(spaces) - {COMMON}:
-        assert name in algorithm_names()
-        space, note = space_for(spaces, name)
-        assert note is None and "lr" in space
-        check_space(base_config(algorithm=name), space, "shipped")  # ConfigError if a key or end is refused
+    hyper = get_algorithm(algorithm).Hyper
+    declared = declared_ranges(hyper)
+    space, note = space_for(read_spaces(), algorithm)
+    assert set(space) == set(COMMON_SPACE) | {f"{algorithm}.{option}" for option in declared}
+    assert (note is not None) == bool(hyper.model_fields and not declared)
+    check_space(base_config(algorithm=algorithm), space, "shipped")  # ConfigError if a key or an end is refused
+    for option in declared:
+        spec, default = space[f"{algorithm}.{option}"], hyper.model_fields[option].default
+        if spec.type == "categorical":
+            assert default in spec.choices, (option, default, spec)
+        else:
+            assert spec.low <= default <= spec.high, (option, default, spec)
+
+
+def test_a_space_file_replaces_every_shipped_range(tmp_path):
+    """--space FILE is the whole space: an algorithm's declared ranges do not come back beside it."""
+    from pfedkit.experiments.tuning import read_spaces, space_for
+
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text("common:\n  lr: {type: float, low: 0.01, high: 0.1}\n"
+                          "fedprox:\n  fedprox.mu: {type: float, low: 0.001, high: 0.1, log: true}\n")
+    space, note = space_for(read_spaces(space_file), "fedprox")
+    assert set(space) == {"lr", "fedprox.mu"} and note is None
+    assert (space["lr"].low, space["fedprox.mu"].low) == (0.01, 0.001)
+    space, note = space_for(read_spaces(space_file), "ditto")  # ditto.lam declares a range, not used here
+    assert set(space) == {"lr"} and "no search space for ditto" in note
 
 
 # ---- pruning and Flower --------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Algorithms: one small module each, registered by name with `@register`.
 
 Every module of this package is imported on first lookup (`algorithm_names`, `get_algorithm`) so
-that its algorithms register themselves; a new algorithm is a new file. Importing the package
-alone imports no algorithm. The contract every algorithm follows is `pfedkit.core.contract`.
+that its algorithms register themselves; a new algorithm is a new file, and so is a module of
+math that several methods share (it registers nothing). Importing the package alone imports no
+algorithm. The contract every algorithm follows is `pfedkit.core.contract`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pkgutil
 from pfedkit.algorithms.registry import registry
 from pfedkit.core.contract import Algorithm
 
-_HELPER_MODULES = {"registry", "clusters", "peers", "prototypes", "prototype_exchange", "scoring"}
 _loaded = False
 
 
@@ -21,7 +21,7 @@ def _load_all() -> None:
     if _loaded:
         return
     for module in pkgutil.iter_modules(__path__):
-        if module.name not in _HELPER_MODULES and not module.name.startswith("_"):
+        if not module.name.startswith("_"):
             importlib.import_module(f"{__name__}.{module.name}")
     _loaded = True
 

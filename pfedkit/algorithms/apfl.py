@@ -20,12 +20,13 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Batch, ClientData, ClientUpdate, Fit, Message, StepTools
+from pfedkit.core.contract import Batch, ClientData, ClientUpdate, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params, clone, interpolate
+from pfedkit.core.search import float_range
 
 PERSONAL = "personal."  # prefix of v among a Fit's extra tensors
 ALPHA = "alpha"
@@ -62,20 +63,21 @@ def apfl_step(tools: StepTools, batches: list[Batch], *, adaptive: bool, alpha_l
 class APFL(FedAvg):
     name = "apfl"
     description = "APFL: personal model v mixed as alpha v + (1 - alpha) w, alpha learned per client"
+    evaluated_model = "custom"  # alpha_i v_i + (1 - alpha_i) w
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        alpha_init: float = Field(0.5, ge=0, le=1, description="initial mixing weight alpha_i of every client")
+    class Hyper(HyperParams):
+        alpha_init: float = Field(0.5, ge=0, le=1, description="initial mixing weight alpha_i of every client",
+                                  json_schema_extra=float_range(0.1, 0.9))
         adaptive: bool = Field(True, description="learn alpha_i by gradient steps (False: keep alpha_init)")
         alpha_lr: float | None = Field(None, ge=0, description="step size of the alpha update (None: the config's lr)")
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
-        return {"personal": clone(params), "alpha": float(self.h.alpha_init)}
+        return {"personal": clone(params), "alpha": float(self.hyper.alpha_init)}
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         extra = {PERSONAL + name: t for name, t in client["personal"].items()}
         extra[ALPHA] = torch.tensor(client["alpha"])
-        step = partial(apfl_step, adaptive=self.h.adaptive, alpha_lr=self.h.alpha_lr)
+        step = partial(apfl_step, adaptive=self.hyper.adaptive, alpha_lr=self.hyper.alpha_lr)
         trained = yield Fit(message["params"], step=step, extra=extra)
         personal = {name[len(PERSONAL):]: t for name, t in trained.items() if name.startswith(PERSONAL)}
         global_ = {name: t for name, t in trained.items() if name in message["params"]}

@@ -25,13 +25,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from scipy.cluster.hierarchy import linkage, to_tree
 from scipy.spatial.distance import squareform
 
 from pfedkit.algorithms import clusters
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone
 
 _COSINE_EPS = 1e-12  # norms below this count as zero updates (cosine 0 with everything)
@@ -88,8 +88,9 @@ def bipartition(gram: np.ndarray) -> tuple[list[int], list[int]]:
 class CFL(Algorithm):
     name = "cfl"
     description = "CFL: one cluster split recursively by the cosine of client updates once the mean update stalls"
+    evaluated_model = "custom"  # the model of the client's cluster
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """CFL hyperparameters (spec baselines.md "CFL").
 
         eps1: split only if the norm of the cluster's mean update is below eps1 (0.4 [code: FL-bench];
@@ -101,7 +102,6 @@ class CFL(Algorithm):
         update_weighting: weights of the mean update (and of mean_norm): "samples" = n_i
             [paper], "uniform" = 1/|P_c| [code: FL-bench].
         """
-        model_config = ConfigDict(extra="forbid")
 
         eps1: float = Field(0.4, ge=0, description="split if ||mean update|| < eps1 ...")
         eps2: float = Field(1.6, ge=0, description="... and max ||client update|| > eps2")
@@ -138,8 +138,8 @@ class CFL(Algorithm):
                 continue
             gram = update_gram(models[c], [replies[cid]["params"] for cid in members])
             mean_norms[c], max_norms[c] = update_norms(gram, self._weights(members, replies))
-            if should_split(mean_norms[c], max_norms[c], len(members), rnd, eps1=self.h.eps1, eps2=self.h.eps2,
-                            warmup=self.h.warmup, min_cluster_size=self.h.min_cluster_size):
+            if should_split(mean_norms[c], max_norms[c], len(members), rnd, eps1=self.hyper.eps1, eps2=self.hyper.eps2,
+                            warmup=self.hyper.warmup, min_cluster_size=self.hyper.min_cluster_size):
                 _, moved = bipartition(gram)
                 membership[[members[p] for p in moved]] = len(models)
                 splits.append([c, len(models)])
@@ -152,7 +152,7 @@ class CFL(Algorithm):
         return {"models": models, "membership": membership}
 
     def _weights(self, cids: list[int], replies: dict[int, Message]) -> list[float]:
-        if self.h.update_weighting == "uniform":
+        if self.hyper.update_weighting == "uniform":
             return [1.0] * len(cids)
         return [float(replies[cid]["weight"]) for cid in cids]
 
@@ -161,7 +161,7 @@ class CFL(Algorithm):
         self.record(rnd, "cluster_assignment", membership.copy())  # every client's cluster (server-side)
         self.record(rnd, "mean_norm", mean_norms)  # per cluster before this round's splits; NaN: no participant
         self.record(rnd, "max_norm", max_norms)
-        self.record(rnd, "thresholds", np.array([self.h.eps1, self.h.eps2]))  # for the report's lines
+        self.record(rnd, "thresholds", np.array([self.hyper.eps1, self.hyper.eps2]))  # for the report's lines
         if splits:
             self.record(rnd, "splits", np.asarray(splits, dtype=np.int64))  # rows: [split cluster, new cluster]
 

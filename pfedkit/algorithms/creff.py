@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select
 from pfedkit.core.seeds import SERVER, torch_generator
@@ -183,13 +183,16 @@ def mean_cross_entropy(features: torch.Tensor, labels: torch.Tensor, weight: tor
 class CReFF(Algorithm):
     name = "creff"
     description = "CReFF: FedAvg + a classifier re-trained on server-side features learnt by gradient matching"
+    evaluated_model = "custom"  # the FedAvg body with the server's re-trained classifier
+    # the server's loops shortened (100 features per class, 100 matching steps, 300 re-training epochs)
+    quick_test_options = {"num_features": 4, "feature_steps": 2, "retrain_epochs": 2, "grad_repeats": 1}
     head = "last"
     # The server's loops and the clients' gradient draws are thousands of tiny ops: one thread is
     # fastest. The engine runs this algorithm's own code (client updates between their Fits, the
     # aggregation) with it; local training keeps the run's count (`Algorithm.small_op_threads`).
     small_op_threads = 1
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """CReFF options (defaults: the CReFF-FL code's `options.py`, = the paper [paper][code: CReFF-FL]).
 
         retrain: re-train the classifier on federated features (False: plain FedAvg) [ours: switch].
@@ -205,7 +208,6 @@ class CReFF(Algorithm):
         Local training (epochs, batch, lr) is the run config's; CReFF's own 10 epochs / batch 32 /
         lr 0.1 are a preset matter.
         """
-        model_config = ConfigDict(extra="forbid")
         retrain: bool = Field(True, description="re-train the classifier on federated features (False: FedAvg)")
         num_features: int = Field(100, ge=1, description="m: federated features per class")
         feature_steps: int = Field(100, ge=0, description="SGD steps of the gradient matching per round")
@@ -229,25 +231,25 @@ class CReFF(Algorithm):
 
     def init_server(self, params: Params) -> dict[str, Any]:
         server = {"params": clone(params)}
-        if self.h.retrain:
+        if self.hyper.retrain:
             head = clone(select(params, "head"))
             weight_name, _ = linear_layer_names(head, "head")
             classes, dim = head[weight_name].shape
             generator = torch_generator(self.setup.seed, 0, SERVER, "creff-features")
-            server["features"] = torch.randn(classes, self.h.num_features, dim, generator=generator)
+            server["features"] = torch.randn(classes, self.hyper.num_features, dim, generator=generator)
             server["head_re"] = head
         return server
 
     # --- round ---------------------------------------------------------------------------------
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        if not self.h.retrain:
+        if not self.hyper.retrain:
             return {cid: {"params": server["params"]} for cid in cids}
         return {cid: {"params": server["params"], "head_re": server["head_re"]} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
         reply: Message = {}
-        if self.h.retrain:
+        if self.hyper.retrain:
             reply["grads"] = self.client_gradients(rnd, cid, message, data)
         params = yield Fit(message["params"])  # from the FedAvg classifier phi, never phi_re
         return client, {"params": params, "weight": data.n_train, **reply}
@@ -259,8 +261,8 @@ class CReFF(Algorithm):
         features = self.setup.ops_for(cid).features(message["params"], data.x_train, data.buffers,
                                                     chunk=FEATURE_CHUNK).reshape(data.n_train, -1)
         grads = class_gradients(features, data.y_train.long(), head_re[weight_name],
-                                head_re[bias_name] if bias_name else None, batch_size=self.h.grad_batch_size,
-                                repeats=self.h.grad_repeats,
+                                head_re[bias_name] if bias_name else None, batch_size=self.hyper.grad_batch_size,
+                                repeats=self.hyper.grad_repeats,
                                 generator=torch_generator(self.setup.seed, rnd, cid, "creff-grad"))
         return {c: {weight_name: w, **({bias_name: b} if bias_name else {})} for c, (w, b) in grads.items()}
 
@@ -268,7 +270,7 @@ class CReFF(Algorithm):
         if not replies:
             return server
         new = {**server, "params": fedavg_aggregate(replies)}
-        if self.h.retrain:
+        if self.hyper.retrain:
             new.update(self.retrain_head(rnd, server, replies))
         return new
 
@@ -282,11 +284,11 @@ class CReFF(Algorithm):
         generator = torch_generator(self.setup.seed, rnd, SERVER, "creff-retrain")
         start_w, start_b = fresh_linear(dim, classes, generator, with_bias=bias_name is not None)
         labels = torch.arange(classes).repeat_interleave(m)
-        features, losses = match_features(server["features"], targets, weight, bias, steps=self.h.feature_steps,
-                                          lr=self.h.feature_lr, match_bias=self.h.match_bias)
+        features, losses = match_features(server["features"], targets, weight, bias, steps=self.hyper.feature_steps,
+                                          lr=self.hyper.feature_lr, match_bias=self.hyper.match_bias)
         flat = features.reshape(classes * m, dim)
-        new_w, new_b = retrain_classifier(flat, labels, start_w, start_b, epochs=self.h.retrain_epochs,
-                                          lr=self.h.retrain_lr, batch_size=self.h.retrain_batch_size,
+        new_w, new_b = retrain_classifier(flat, labels, start_w, start_b, epochs=self.hyper.retrain_epochs,
+                                          lr=self.hyper.retrain_lr, batch_size=self.hyper.retrain_batch_size,
                                           generator=generator)
         if losses:
             self.record(rnd, "matching_loss_start", losses[0])
@@ -298,7 +300,7 @@ class CReFF(Algorithm):
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         """(theta^{t+1}, phi_re); with retrain=False the FedAvg model."""
-        return merge(server["params"], server["head_re"]) if self.h.retrain else server["params"]
+        return merge(server["params"], server["head_re"]) if self.hyper.retrain else server["params"]
 
 
 def mean_class_gradients(replies: dict[int, Message], weight_name: str, bias_name: str | None

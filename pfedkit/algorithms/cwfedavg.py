@@ -34,12 +34,13 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, weighted_mean
+from pfedkit.core.search import float_range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,9 +243,10 @@ def model_mismatch(params: Params, num_classes: int, class_wise_layers: str | in
 class CwFedAvg(Algorithm):
     name = "cwfedavg"
     description = "cwFedAvg + WDR: class-wise FedAvg, personalised mix by estimated class distribution"
+    evaluated_model = "custom"  # shared layers + the class-wise models mixed by the client's p~
     head = "last"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """cwFedAvg hyperparameters (spec §3.7, §3.9).
 
         class_wise_layers: "output" (headline variant, = 1), "all" (basic algorithm), or L = the
@@ -269,11 +271,11 @@ class CwFedAvg(Algorithm):
             class with mass (only zero-mass classes keep, the behaviour before this option). Under
             full participation eq. 6 is used as the paper writes it, whatever held_share.
         """
-        model_config = ConfigDict(extra="forbid")
         class_wise_layers: Literal["output", "all"] | PositiveInt = Field(
             "output", description="'output', 'all', or the number of last layers aggregated class-wise")
         wdr: bool = Field(True, description="use the Weight Distribution Regulariser")
-        wdr_lambda: float = Field(10.0, ge=0, description="WDR coefficient lambda")
+        wdr_lambda: float = Field(10.0, ge=0, description="WDR coefficient lambda",
+                                  json_schema_extra=float_range(0.1, 100.0, log=True))
         wdr_half_factor: bool = Field(False, description="apply 0.5*lambda like the authors' code")
         distribution: Literal["approx", "empirical"] = Field("approx", description="p~ (eq. 4) or true p")
         empirical_from: Literal["train", "train_and_test"] = Field("train", description="counts behind p_i")
@@ -285,20 +287,20 @@ class CwFedAvg(Algorithm):
     # -- helpers --------------------------------------------------------------------------------
 
     def wdr_coefficient(self) -> float:
-        if not self.h.wdr:
+        if not self.hyper.wdr:
             return 0.0
-        return 0.5 * self.h.wdr_lambda if self.h.wdr_half_factor else self.h.wdr_lambda
+        return 0.5 * self.hyper.wdr_lambda if self.hyper.wdr_half_factor else self.hyper.wdr_lambda
 
     def starting_distribution(self, params: Params) -> torch.Tensor:
         num_classes = self.setup.num_classes
-        if self.h.initial_distribution == "initial_model":
+        if self.hyper.initial_distribution == "initial_model":
             return estimate_class_distribution(params[output_weight_name(params)]).detach().double()
         return torch.full((num_classes,), 1.0 / num_classes, dtype=torch.float64)
 
     def client_distribution(self, data: ClientData) -> np.ndarray:
         """p_i of the client, from its own counts (never leaves the client unless 'empirical')."""
         counts = np.asarray(data.class_counts, dtype=np.float64)
-        if self.h.empirical_from == "train_and_test":
+        if self.hyper.empirical_from == "train_and_test":
             counts = counts + np.bincount(data.y_test.numpy(), minlength=counts.shape[0])
         return empirical_distribution(counts)
 
@@ -308,12 +310,12 @@ class CwFedAvg(Algorithm):
         """Refuse options that do not fit the run's model (one ConfigError line)."""
         template = self.setup.ops.template
         problem = model_mismatch(dict(template.named_parameters()), self.setup.num_classes,
-                                 self.h.class_wise_layers, type(template).__name__)
+                                 self.hyper.class_wise_layers, type(template).__name__)
         if problem is not None:
             raise ConfigError(problem)
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        cw_names = class_wise_names(params, self.h.class_wise_layers)
+        cw_names = class_wise_names(params, self.hyper.class_wise_layers)
         class_part = {n: params[n] for n in cw_names}
         start = self.starting_distribution(params)
         return {
@@ -323,20 +325,20 @@ class CwFedAvg(Algorithm):
         }
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any] | None:
-        if self.h.mix_on == "server":
+        if self.hyper.mix_on == "server":
             return None  # the client keeps nothing between rounds (spec §3.5)
         return {"class_dist": self.starting_distribution(params)}
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        if self.h.mix_on == "client":
+        if self.hyper.mix_on == "client":
             # the code sends every client all C class-wise layers plus the FedAvg layers
             return {cid: {"shared": server["shared"], "class_wise": server["class_wise"]} for cid in cids}
         return {cid: {"params": self.client_model(cid, server, None)} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
-        if self.h.mix_on == "client":
+        if self.hyper.mix_on == "client":
             mixing = client["class_dist"]
-            if self.h.distribution == "empirical":
+            if self.hyper.distribution == "empirical":
                 mixing = torch.as_tensor(self.client_distribution(data))
             params = {**message["shared"], **personalised_model(message["class_wise"], mixing)}
         else:
@@ -347,11 +349,11 @@ class CwFedAvg(Algorithm):
                 if coefficient > 0 else cross_entropy)
         trained = yield Fit(params, loss=loss, context={"class_distribution": own_distribution})
         reply: Message = {"params": trained, "weight": data.n_train}
-        if self.h.distribution == "empirical":
+        if self.hyper.distribution == "empirical":
             reply["class_distribution"] = own_distribution  # the server cannot know it otherwise
-        if self.h.mix_on == "server":
+        if self.hyper.mix_on == "server":
             return None, reply
-        if self.h.distribution == "empirical":
+        if self.hyper.distribution == "empirical":
             next_mixing = own_distribution.double()
         else:
             next_mixing = estimate_class_distribution(trained[output_weight_name(trained)]).detach().double()
@@ -384,7 +386,7 @@ class CwFedAvg(Algorithm):
         out_name = output_weight_name(replies[cids[0]]["params"])
         estimated = np.stack([estimate_class_distribution(replies[c]["params"][out_name]).double().numpy()
                               for c in cids])
-        if self.h.distribution != "empirical":
+        if self.hyper.distribution != "empirical":
             return estimated, estimated
         sent = np.stack([np.asarray(replies[c]["class_distribution"], dtype=np.float64) for c in cids])
         return estimated, sent
@@ -396,10 +398,10 @@ class CwFedAvg(Algorithm):
         (`unheld_classes` with `held_share`). Full participation: eq. 6 exactly as the paper.
         """
         no_mass = ~class_wise_weights(used, sizes)[1]
-        return no_mass if full else no_mass | unheld_classes(used, self.h.held_share)
+        return no_mass if full else no_mass | unheld_classes(used, self.hyper.held_share)
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
-        mixing = client["class_dist"] if self.h.mix_on == "client" else server["class_dist"][cid]
+        mixing = client["class_dist"] if self.hyper.mix_on == "client" else server["class_dist"][cid]
         return {**server["shared"], **personalised_model(server["class_wise"], mixing)}
 
     # -- diagnostics ----------------------------------------------------------------------------

@@ -26,13 +26,14 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.peers import mix, mixing_matrix
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params, clone, flatten
+from pfedkit.core.search import float_range
 
 # The proximal weight λ: the paper gives no value. Picked from the sweep in benchmarks/RESULTS.md
 # ("DA-PFL lambda sweep": MNIST, 20 clients, Dirichlet 0.1): λ = 0.1 was best, λ = 1 cost ~2 points.
@@ -241,9 +242,10 @@ def local_objective(out: Forward, y: torch.Tensor, params: Params, context: Mapp
 class DAPFL(Algorithm):
     name = "dapfl"
     description = "DA-PFL: affinity x model-distance weighted mix of other participants, proximal local model"
+    evaluated_model = "own"
     head = "last"  # whole model aggregated; the split is only used for logging
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """DA-PFL hyperparameters (spec §5.6). [ours] marks a choice the paper leaves open.
 
         lam: proximal weight λ of eq. (2)/(10) (paper: not stated; LAM_DEFAULT [ours], from the
@@ -263,9 +265,9 @@ class DAPFL(Algorithm):
             zero (1 and 0 [ours]).
         Local epochs (1 [ours]), batch 10, lr and SGD without momentum come from the run config.
         """
-        model_config = ConfigDict(extra="forbid")
 
-        lam: float = Field(LAM_DEFAULT, ge=0, description="proximal weight λ (eq. 2/10)")
+        lam: float = Field(LAM_DEFAULT, ge=0, description="proximal weight λ (eq. 2/10)",
+                           json_schema_extra=float_range(0.01, 1.0, log=True))
         sigma: Annotated[float, Field(gt=0)] | Literal["median"] = Field(
             "median", description="distance scale σ of eq. 7, or 'median' of the round's squared distances")
         zero_affinity: Literal["uniform", "distance"] = Field(
@@ -296,8 +298,8 @@ class DAPFL(Algorithm):
         if sorted(reports) != list(range(self.setup.num_clients)):
             raise ValueError(f"dapfl: the setup exchange needs every client's class counts, got {sorted(reports)}")
         counts = np.stack([reports[cid]["class_counts"] for cid in sorted(reports)])  # Algorithm 1, lines 1-3
-        matrix = affinity(counts, normalisation=self.h.affinity_normalisation, no_overlap=self.h.no_overlap,
-                          acs_both_constant=self.h.acs_both_constant, acs_one_constant=self.h.acs_one_constant)
+        matrix = affinity(counts, normalisation=self.hyper.affinity_normalisation, no_overlap=self.hyper.no_overlap,
+                          acs_both_constant=self.hyper.acs_both_constant, acs_one_constant=self.hyper.acs_one_constant)
         self.record(0, "affinity", matrix.astype(np.float32))
         return {"class_counts": counts, "affinity": matrix}
 
@@ -307,7 +309,7 @@ class DAPFL(Algorithm):
         """Eq. (7)-(9) for every participant; sends w_i^g to i (nothing when i is alone)."""
         models = [server["uploads"][cid] for cid in cids]
         distances = pairwise_squared_distances(models)
-        sigma = resolve_sigma(self.h.sigma, distances)
+        sigma = resolve_sigma(self.hyper.sigma, distances)
         rows: dict[int, dict[int, float]] = {}
         messages: dict[int, Message] = {}
         zero_rows = 0
@@ -320,7 +322,7 @@ class DAPFL(Algorithm):
             other_cids = [cids[q] for q in others]
             row = server["affinity"][cid, other_cids]
             zero_rows += int(row.sum() <= 0)
-            alpha = aggregation_weights(row, distances[pos, others], sigma, self.h.eps, self.h.zero_affinity)
+            alpha = aggregation_weights(row, distances[pos, others], sigma, self.hyper.eps, self.hyper.zero_affinity)
             rows[cid] = dict(zip(other_cids, alpha.tolist()))
             messages[cid] = {"params": mix([models[q] for q in others], alpha, "DA-PFL eq. 8")}
         self.record(rnd, "aggregation_weights", mixing_matrix(self.setup.num_clients, rows))
@@ -332,7 +334,7 @@ class DAPFL(Algorithm):
         """Eq. (10): E epochs of SGD from the client's own w_i^{t-1}, pulled towards w_i^g."""
         own = client["params"]
         anchor = message.get("params", own)
-        trained = yield Fit(own, loss=partial(local_objective, lam=self.h.lam), context={"anchor": anchor})
+        trained = yield Fit(own, loss=partial(local_objective, lam=self.hyper.lam), context={"anchor": anchor})
         return {"params": trained}, {}  # the new model goes up at the client's next participation
 
     def aggregate(self, rnd: int, server: dict, replies: dict[int, Message]) -> dict[str, Any]:

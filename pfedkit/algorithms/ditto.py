@@ -13,23 +13,25 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 
 @register
 class Ditto(FedAvg):
     name = "ditto"
     description = "Ditto: personal model with a proximal pull lam to the global model, both trained each round"
+    evaluated_model = "custom"  # the personal model v_i (the first Fit's answer)
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective")
+    class Hyper(HyperParams):
+        lam: float = Field(1.0, ge=0, description="proximal coefficient of the personal objective",
+                           json_schema_extra=float_range(0.01, 10.0, log=True))
         personal_epochs: int = Field(1, ge=0, description="plocal: epochs on the personal model per round")
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
@@ -37,8 +39,8 @@ class Ditto(FedAvg):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         received = message["params"]
-        personal = yield Fit(client["personal"], loss=partial(proximal_loss, mu=self.h.lam),
-                             context={"anchor": received}, epochs=self.h.personal_epochs, optimizer="personal")
+        personal = yield Fit(client["personal"], loss=partial(proximal_loss, mu=self.hyper.lam),
+                             context={"anchor": received}, epochs=self.hyper.personal_epochs, optimizer="personal")
         trained = yield Fit(received, optimizer="global")
         return {"personal": personal}, {"params": trained, "weight": data.n_train}
 

@@ -18,13 +18,14 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.algorithms.peers import mix, mixing_matrix
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, squared_distance_f64
+from pfedkit.core.search import float_range
 
 
 def squared_distances_to(models: Sequence[Params], i: int) -> np.ndarray:
@@ -55,8 +56,9 @@ def attention_row(distances_sq: np.ndarray, i: int, alpha_k: float, sigma: float
 class FedAMP(Algorithm):
     name = "fedamp"
     description = "FedAMP: per-client cloud models from attention weights on model distances, proximal local training"
+    evaluated_model = "own"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedAMP options (defaults: cwFedAvg Table 5, the seed papers' setting; PFLlib uses
         alpha_k = 1, lam = 1, sigma = 1).
 
@@ -65,10 +67,12 @@ class FedAMP(Algorithm):
         lam: lambda, weight of the proximal term lam/(2 alpha_K) ||w - u_i||^2 (1 [cwFedAvg, PFLlib]).
         sigma: scale of A'(x) = e^{-x/sigma}/sigma on squared model distances (0.1 [cwFedAvg]).
         """
-        model_config = ConfigDict(extra="forbid")
-        alpha_k: float = Field(1000.0, gt=0, description="alpha_K: attention step, scales xi and divides lam")
-        lam: float = Field(1.0, ge=0, description="lambda: proximal weight lam/(2 alpha_K) ||w - u_i||^2")
-        sigma: float = Field(0.1, gt=0, description="sigma of the attention function e^{-d/sigma}/sigma")
+        alpha_k: float = Field(1000.0, gt=0, description="alpha_K: attention step, scales xi and divides lam",
+                               json_schema_extra=float_range(100.0, 10000.0, log=True))
+        lam: float = Field(1.0, ge=0, description="lambda: proximal weight lam/(2 alpha_K) ||w - u_i||^2",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
+        sigma: float = Field(0.1, gt=0, description="sigma of the attention function e^{-d/sigma}/sigma",
+                             json_schema_extra=float_range(0.01, 1.0, log=True))
 
     def init_server(self, params: Params) -> dict[str, Any]:
         initial = clone(params)  # one shared copy: every client's stored model until it uploads
@@ -84,7 +88,7 @@ class FedAMP(Algorithm):
         messages: dict[int, Message] = {}
         guarded = 0
         for i in cids:
-            row, rescaled = attention_row(squared_distances_to(models, i), i, self.h.alpha_k, self.h.sigma)
+            row, rescaled = attention_row(squared_distances_to(models, i), i, self.hyper.alpha_k, self.hyper.sigma)
             guarded += int(rescaled)
             rows[i] = dict(enumerate(row.tolist()))
             messages[i] = {"params": mix(models, row, "FedAMP xi")}
@@ -94,7 +98,7 @@ class FedAMP(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         """E epochs from the client's own model on CE + (lam/(2 alpha_K)) ||w - u_i||^2; upload w_i."""
-        loss = partial(proximal_loss, mu=self.h.lam / self.h.alpha_k)
+        loss = partial(proximal_loss, mu=self.hyper.lam / self.hyper.alpha_k)
         trained = yield Fit(client["params"], loss=loss, context={"anchor": message["params"]})
         return {"params": trained}, {"params": trained}
 

@@ -17,6 +17,7 @@ class FedAvg(MeanOfUploads, Algorithm):
     """The server averages the whole model (`MeanOfUploads`, key "params")."""
     name = "fedavg"
     description = "FedAvg: one global model, sample-weighted averaging"
+    evaluated_model = "global"
 
     def init_server(self, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}

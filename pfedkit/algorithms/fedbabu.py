@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import MeanOfUploads
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select
+from pfedkit.core.search import int_range
 
 
 @register
@@ -28,11 +29,12 @@ class FedBABU(MeanOfUploads, Algorithm):
     head_splits = ("fc",)  # any split: the head is simply the part kept (or frozen) per client
     averaged = "body"  # the server averages the bodies (`MeanOfUploads`)
     description = "FedBABU: body-only federated training with a fixed random head, fine-tuned at evaluation"
+    evaluated_model = "custom"  # global body + the fixed initial head, fine-tuned before evaluation
+    quick_test_options = {"finetune_epochs": 1}  # (5 fine-tuning epochs before each evaluation by default)
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         finetune_epochs: int = Field(5, ge=0, description="tau_f: fine-tuning epochs before each evaluation "
-                                     "(0: evaluate the global model as is)")
+                                     "(0: evaluate the global model as is)", json_schema_extra=int_range(1, 10))
         finetune_steps: int | None = Field(None, ge=1, description="fine-tune exactly this many mini-batches "
                                            "instead of finetune_epochs")
         finetune_part: Literal["all", "head"] = Field("all", description="what fine-tuning trains: the whole "
@@ -55,8 +57,8 @@ class FedBABU(MeanOfUploads, Algorithm):
         return merge(server["body"], client["head"])
 
     def adapt(self, cid: int, server: dict, client: dict, params: Params) -> Fit | None:
-        if self.h.finetune_steps is None and self.h.finetune_epochs == 0:
+        if self.hyper.finetune_steps is None and self.hyper.finetune_epochs == 0:
             return None
-        if self.h.finetune_steps is not None:
-            return Fit(params, trainable=self.h.finetune_part, steps=self.h.finetune_steps)
-        return Fit(params, trainable=self.h.finetune_part, epochs=self.h.finetune_epochs)
+        if self.hyper.finetune_steps is not None:
+            return Fit(params, trainable=self.hyper.finetune_part, steps=self.hyper.finetune_steps)
+        return Fit(params, trainable=self.hyper.finetune_part, epochs=self.hyper.finetune_epochs)

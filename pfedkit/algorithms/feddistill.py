@@ -30,13 +30,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.prototypes import class_means, means_from_sums, message_to_table, table_to_message
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 LOGIT_CHUNK = 512  # samples per forward when computing the mean logits (memory bound only)
 # Fit extras carrying the per-class sums of the training forwards' logits (upload_logits="training_passes")
@@ -136,9 +137,10 @@ def without_own(sums: torch.Tensor, counts: torch.Tensor, own: torch.Tensor,
 class FedDistill(Algorithm):
     name = "feddistill"
     description = "FedDistill (FD): clients share per-label mean logits and distil them into their own models"
+    evaluated_model = "own"
     supports_heterogeneous_models = True  # only C-dimensional logit vectors travel
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedDistill hyperparameters (baselines.md "FedDistill").
 
         lam: weight of the distillation term, 1.0 [code: PFLlib; spec].
@@ -155,8 +157,8 @@ class FedDistill(Algorithm):
            round, all local epochs, train mode, the weights changing between batches [code: PFLlib
            FD, every version].
         """
-        model_config = ConfigDict(extra="forbid")
-        lam: float = Field(1.0, ge=0, description="weight of the distillation term")
+        lam: float = Field(1.0, ge=0, description="weight of the distillation term",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
         distill_loss: Literal["kl", "pfllib_ce", "pfllib_mse"] = Field(
             "kl", description="KL to softmax(global logits), PFLlib's CE with the raw global logits as targets, "
             "or PFLlib's earlier mean squared error to them")
@@ -172,7 +174,7 @@ class FedDistill(Algorithm):
         `exclude_self` also each client's vectors inside those sums."""
         c, n = self.setup.num_classes, self.setup.num_clients
         server = {"sums": torch.zeros(c, c, dtype=torch.float64), "counts": torch.zeros(c, dtype=torch.int64)}
-        if self.h.exclude_self:
+        if self.hyper.exclude_self:
             server.update({"own": torch.zeros(n, c, c), "own_mask": torch.zeros(n, c, dtype=torch.bool)})
         return server
 
@@ -183,7 +185,7 @@ class FedDistill(Algorithm):
 
     def global_table(self, server: dict, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What client `cid` receives as ([C, C], present [C])."""
-        if self.h.exclude_self:
+        if self.hyper.exclude_self:
             return without_own(server["sums"], server["counts"], server["own"][cid], server["own_mask"][cid])
         return mean_table(server["sums"], server["counts"])
 
@@ -193,9 +195,9 @@ class FedDistill(Algorithm):
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         c = self.setup.num_classes
         targets, has_target = message_to_table(message.get("logits", {}), c, c)
-        loss = partial(feddistill_loss, lam=self.h.lam, kind=self.h.distill_loss)
+        loss = partial(feddistill_loss, lam=self.hyper.lam, kind=self.hyper.distill_loss)
         context = {"targets": targets, "has_target": has_target}
-        if self.h.upload_logits == "after_training":
+        if self.hyper.upload_logits == "after_training":
             params = yield Fit(client["params"], loss=loss, context=context)
             means, counts = self.mean_logits(params, data)
         else:
@@ -226,7 +228,7 @@ class FedDistill(Algorithm):
         server = {name: value.clone() for name, value in server.items()}
         server["sums"][updated] = sums[updated]
         server["counts"][updated] = counts[updated]
-        if self.h.exclude_self:
+        if self.hyper.exclude_self:
             server["own_mask"][:, updated] = False
             for cid in ordered:
                 for label, vector in replies[cid]["logits"].items():

@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.peers import mix, mixing_matrix
 from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import mean_loss
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError, ConfigWarning
 from pfedkit.core.params import Params, clone, flatten
 from pfedkit.core.seeds import SERVER, numpy_rng
@@ -120,8 +120,10 @@ def fomo_update(own: Params, peers: Sequence[Params], weights: np.ndarray) -> Pa
 class FedFomo(Algorithm):
     name = "fedfomo"
     description = "FedFomo: download top-M peers by affinity, mix by validation-loss improvement per distance"
+    evaluated_model = "own"
+    quick_test_options = {"num_peers": 3}  # (5 by default: more than a 4-client run has, with a warning)
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedFomo hyperparameters (spec baselines.md "FedFomo").
 
         num_peers: M, models downloaded per round (5 [paper/code]); clipped to N - 1 [code: PFLlib
@@ -132,7 +134,6 @@ class FedFomo(Algorithm):
             unverified]); 0 gives PFLlib's plain top-M.
         epsilon_decay: eps_t = epsilon * epsilon_decay^(t-1) (0.98 [ours]).
         """
-        model_config = ConfigDict(extra="forbid")
 
         num_peers: int = Field(5, ge=1, description="M: peer models downloaded per round (at most N - 1 are)")
         val_ratio: float = Field(0.2, gt=0, lt=1, description="share of the training set held out as validation split")
@@ -145,13 +146,13 @@ class FedFomo(Algorithm):
         if small:
             raise ConfigError(f"fedfomo holds out a validation split, so every client needs at least 2 training "
                               f"samples; clients {small[:5]} have fewer: change the partition (e.g. partition.least)")
-        if self.h.num_peers > self.peer_count:  # runs, but not as written: say what is used
-            warnings.warn(f"fedfomo.num_peers={self.h.num_peers}: only {self.peer_count} other clients exist, so "
+        if self.hyper.num_peers > self.peer_count:  # runs, but not as written: say what is used
+            warnings.warn(f"fedfomo.num_peers={self.hyper.num_peers}: only {self.peer_count} other clients exist, so "
                           f"each client downloads {self.peer_count} peer models per round", ConfigWarning)
 
     @property
     def peer_count(self) -> int:
-        return min(self.h.num_peers, self.setup.num_clients - 1)
+        return min(self.hyper.num_peers, self.setup.num_clients - 1)
 
     # --- state -------------------------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class FedFomo(Algorithm):
     # --- round -------------------------------------------------------------------------------
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        eps = exploration_rate(rnd, self.h.epsilon, self.h.epsilon_decay)
+        eps = exploration_rate(rnd, self.hyper.epsilon, self.hyper.epsilon_decay)
         messages = {}
         for cid in cids:
             rng = numpy_rng(self.setup.seed, rnd, SERVER, f"fedfomo-explore-{cid}")
@@ -176,7 +177,7 @@ class FedFomo(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         own, peers, ids = client["params"], message["models"], [int(j) for j in message["ids"]]
-        fit_on, held_out = validation_split(data.n_train, self.h.val_ratio, self.setup.seed, cid)
+        fit_on, held_out = validation_split(data.n_train, self.hyper.val_ratio, self.setup.seed, cid)
         rows = held_out.to(data.x_train.device)
         ratios = self.ratios(cid, own, peers, data.x_train[rows], data.y_train[rows], data.buffers)
         start = fomo_update(own, peers, fomo_weights(ratios))

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch.func import functional_call
 
 from pfedkit.algorithms.prototypes import present_class_means
 from pfedkit.algorithms.registry import register
 from pfedkit.core.batches import batch_order
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, merge, select, unprefixed
 from pfedkit.core.seeds import SERVER, torch_generator
@@ -65,13 +65,13 @@ def train_global_head(head_module: torch.nn.Module, head: Params, features: torc
 class FedGH(Algorithm):
     name = "fedgh"
     description = "FedGH: private bodies, a global head trained by the server on uploaded class-mean features"
+    evaluated_model = "custom"  # own body + the head the server trained
     head = "last"
     supports_heterogeneous_models = True  # only class-mean features and the head travel
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """server_batch_size: the paper/PFLlib use the run's batch size, which algorithms cannot read;
         default 10 [ours] (PFLlib's default batch size). Set it to the config's batch_size to match."""
-        model_config = ConfigDict(extra="forbid")
         server_lr: float = Field(1.0, gt=0, description="SGD learning rate of the server's head training "
                                  "(PFLlib's default 1.0)")
         server_batch_size: int = Field(10, ge=1, description="mini-batch size of the server's head training "
@@ -115,7 +115,7 @@ class FedGH(Algorithm):
         features = torch.cat([replies[c]["features"] for c in ordered])
         labels = torch.cat([replies[c]["classes"] for c in ordered])
         head = train_global_head(self.setup.ops.template.head, server["head"], features, labels,
-                                 lr=self.h.server_lr, batch_size=self.h.server_batch_size,
+                                 lr=self.hyper.server_lr, batch_size=self.hyper.server_batch_size,
                                  generator=torch_generator(self.setup.seed, rnd, SERVER, "fedgh"))
         return {"head": head}
 

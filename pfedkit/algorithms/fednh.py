@@ -29,14 +29,15 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.prototypes import table_to_message
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.core.seeds import SERVER, torch_generator
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512  # samples per forward when computing the class prototypes (memory bound only)
 SCALE = "scale"  # name of s among a Fit's extra tensors
@@ -106,9 +107,10 @@ def upload_sums(uploads: Sequence[tuple[Mapping[int, torch.Tensor], Mapping[int,
 class FedNH(Algorithm):
     name = "fednh"
     description = "FedNH: frozen unit-norm class-prototype classifier, prototypes moved to the clients' class means"
+    evaluated_model = "custom"  # global body + the server's prototypes as head, scored with its scale
     head = "last"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedNH hyperparameters (baselines.md "FedNH").
 
         rho: momentum of the prototype update, 0.9 [paper]; 1 keeps the initial prototypes.
@@ -120,15 +122,15 @@ class FedNH(Algorithm):
         record_prototypes_every: record mu every this many rounds (and at the last round) for the
            report: C * D floats each time [ours].
         """
-        model_config = ConfigDict(extra="forbid")
-        rho: float = Field(0.9, ge=0, le=1, description="prototype momentum (1: prototypes never move)")
+        rho: float = Field(0.9, ge=0, le=1, description="prototype momentum (1: prototypes never move)",
+                           json_schema_extra=float_range(0.5, 0.99))
         scale_init: float = Field(1.0, gt=0, description="initial (or fixed) scale s of the cosine logits")
         learn_scale: bool = Field(True, description="learn s with the body (False: keep scale_init)")
         evaluate: Literal["global", "personal"] = Field(
             "global", description="evaluate the global model (GM) or each client's model after its local training (PM)")
         record_prototypes_every: int = Field(1, ge=1, description="record the prototype matrix every k rounds")
 
-    def __init__(self, hyper: BaseModel, setup) -> None:
+    def __init__(self, hyper: HyperParams, setup) -> None:
         super().__init__(hyper, setup)
         try:
             self.weight_name, self.bias_name = linear_layer_names(select(setup.ops.initial_params(), "head"), "head")
@@ -155,7 +157,7 @@ class FedNH(Algorithm):
         c, d = params[self.weight_name].shape
         generator = torch_generator(self.setup.seed, 0, SERVER, "fednh-prototypes")
         return {"body": clone(select(params, "body")), "prototypes": initial_prototypes(c, d, generator),
-                "scale": torch.tensor(float(self.h.scale_init))}
+                "scale": torch.tensor(float(self.hyper.scale_init))}
 
     def init_client(self, cid: int, params: Params) -> None:
         """Nothing until the client trains (then, with evaluate="personal", its model and s)."""
@@ -165,7 +167,7 @@ class FedNH(Algorithm):
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
         down = {"body": server["body"], "prototypes": server["prototypes"]}
-        if self.h.learn_scale:
+        if self.hyper.learn_scale:
             down["scale"] = server["scale"]
         return {cid: down for cid in cids}
 
@@ -173,21 +175,21 @@ class FedNH(Algorithm):
         """Body (+ s) trained on the cosine-logit CE; the head (mu, zero bias) is frozen."""
         params = self.global_params(message["body"], message["prototypes"])
         loss = partial(fednh_loss, weight_name=self.weight_name)
-        if self.h.learn_scale:
+        if self.hyper.learn_scale:
             return Fit(params, loss=loss, trainable="body", extra={SCALE: message["scale"].clone()})
-        return Fit(params, loss=loss, trainable="body", context={SCALE: torch.tensor(float(self.h.scale_init))})
+        return Fit(params, loss=loss, trainable="body", context={SCALE: torch.tensor(float(self.hyper.scale_init))})
 
     def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
         trained = yield self.local_fit(message)
         params = {name: value for name, value in trained.items() if name != SCALE}
-        scale = trained[SCALE] if self.h.learn_scale else torch.tensor(float(self.h.scale_init))
+        scale = trained[SCALE] if self.hyper.learn_scale else torch.tensor(float(self.hyper.scale_init))
         sums, counts = self.class_sums(params, data)
         owned = counts > 0
         reply = {"body": select(params, "body"), "prototypes": table_to_message(sums, owned),
                  "counts": {int(c): int(counts[c]) for c in owned.nonzero().squeeze(1).tolist()}}
-        if self.h.learn_scale:
+        if self.hyper.learn_scale:
             reply["scale"] = scale
-        state = {"params": params, "scale": scale} if self.h.evaluate == "personal" else None
+        state = {"params": params, "scale": scale} if self.hyper.evaluate == "personal" else None
         return state, reply
 
     def class_sums(self, params: Params, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,22 +208,22 @@ class FedNH(Algorithm):
         ordered = sorted(replies)
         ones = [1.0] * len(ordered)
         body = weighted_mean([replies[cid]["body"] for cid in ordered], ones)
-        scale = (torch.stack([replies[cid]["scale"] for cid in ordered]).mean() if self.h.learn_scale
+        scale = (torch.stack([replies[cid]["scale"] for cid in ordered]).mean() if self.hyper.learn_scale
                  else server["scale"])
         c, d = server["prototypes"].shape
         sums, counts = upload_sums([(replies[cid]["prototypes"], replies[cid]["counts"]) for cid in ordered], c, d)
-        prototypes = update_prototypes(server["prototypes"], sums, counts, self.h.rho)
+        prototypes = update_prototypes(server["prototypes"], sums, counts, self.hyper.rho)
         self.record(rnd, "scale", float(scale))
         shift = 1.0 - (prototypes * server["prototypes"]).sum(dim=1)
         self.record(rnd, "prototype_shift", shift.numpy())
-        if rnd % self.h.record_prototypes_every == 0 or rnd == self.setup.rounds:
+        if rnd % self.hyper.record_prototypes_every == 0 or rnd == self.setup.rounds:
             self.record(rnd, "prototypes", prototypes.numpy().copy())
         return {"body": body, "prototypes": prototypes, "scale": scale}
 
     # -- evaluation ----------------------------------------------------------------------------
 
     def personal(self, client: Any) -> bool:
-        return self.h.evaluate == "personal" and client is not None
+        return self.hyper.evaluate == "personal" and client is not None
 
     def client_model(self, cid: int, server: dict, client: Any) -> Params:
         """GM = body + mu (zero bias); PM = the client's model after its latest local training (a

@@ -36,13 +36,14 @@ from typing import Any
 import numpy as np
 import scipy.optimize
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.prototypes import alignment_loss, class_means, global_prototypes, present_class_means
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select, weighted_mean
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512      # samples per forward for the client's statistics (memory bound only)
 PSD_EIGENVALUE_FLOOR = 0.01  # eigenvalues kept when the QP matrix must be projected to PSD
@@ -174,17 +175,18 @@ def collaboration_weights(variances: torch.Tensor, weighted_means: torch.Tensor)
 class FedPAC(Algorithm):
     name = "fedpac"
     description = "FedPAC: FedAvg body with feature alignment to global centroids, heads combined by a per-client QP"
+    evaluated_model = "custom"  # global body + the head combined over peers by the QP's weights
     head = "last"
     head_splits = ("fc",)  # the QP combines whatever the head holds; the FedReMa paper's split is all FC layers
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE to the global centroids")
+    class Hyper(HyperParams):
+        lam: float = Field(1.0, ge=0, description="weight of the feature-alignment MSE to the global centroids",
+                           json_schema_extra=float_range(0.1, 10.0, log=True))
         head_epochs: int = Field(1, ge=0, description="head epochs per round with the body frozen (0: none)")
         head_lr: float | None = Field(None, gt=0, description="learning rate of the head epochs "
                                       "(None: the config's lr; FL-bench uses 0.1)")
 
-    def __init__(self, hyper: BaseModel, setup) -> None:
+    def __init__(self, hyper: HyperParams, setup) -> None:
         super().__init__(hyper, setup)
         self.feature_dim = int(setup.ops.template.feature_dim)
 
@@ -214,10 +216,10 @@ class FedPAC(Algorithm):
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         params = merge(message["body"], message.get("head", client["head"]))
         variance, weighted_means = feature_statistics(self.features(params, data), data.y_train, self.setup.num_classes)
-        if self.h.head_epochs > 0:
-            params = yield Fit(params, trainable="head", epochs=self.h.head_epochs, lr=self.h.head_lr, optimizer="head")
+        if self.hyper.head_epochs > 0:
+            params = yield Fit(params, trainable="head", epochs=self.hyper.head_epochs, lr=self.hyper.head_lr, optimizer="head")
         centroids = message.get("centroids")
-        params = yield Fit(params, loss=partial(alignment_loss, lambda_f=self.h.lam), trainable="body",
+        params = yield Fit(params, loss=partial(alignment_loss, lambda_f=self.hyper.lam), trainable="body",
                            context={} if centroids is None else {"prototypes": centroids}, optimizer="body")
         classes, means, counts = present_class_means(self.features(params, data), data.y_train, self.setup.num_classes)
         reply = {"body": select(params, "body"), "head": select(params, "head"), "weight": data.n_train,

@@ -20,6 +20,7 @@ class FedPer(MeanOfUploads, Algorithm):
     name = "fedper"
     head_splits = ("fc",)  # any split: the head is simply the part kept (or frozen) per client
     description = "FedPer: FedAvg on the body, each client keeps its own head"
+    evaluated_model = "shared_body"
     shared: ClassVar[str] = "body"  # the part the server averages; the other one stays private
     averaged = "shared"  # the server key holding the mean of that part (`MeanOfUploads`)
 

@@ -23,12 +23,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.clusters import assignment_vector, cluster_means, one_hot_weights
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone
 
@@ -75,9 +75,10 @@ def nearest_group(vector: np.ndarray, centroids: np.ndarray) -> int:
 class FedPFA(Algorithm):
     name = "fedpfa"
     description = "FedPFA: FedAvg, then FedAvg inside groups of clients with similar activation sparsity"
+    evaluated_model = "custom"  # the client's group model, else the federated one
     head = "last"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedPFA options (the paper's details are unverified; see docs/algorithms/fedpfa.md).
 
         switch_round: T0, the last FedAvg round; None = the run's rounds // 2 [ours, spec].
@@ -86,7 +87,6 @@ class FedPFA(Algorithm):
         linkage: agglomerative linkage on Euclidean distances of sparsity vectors ("average" [ours,
             spec]; "complete", "single" also available).
         """
-        model_config = ConfigDict(extra="forbid")
         switch_round: int | None = Field(None, ge=0, description="T0: last FedAvg round (None: rounds // 2)")
         groups: int = Field(3, ge=1, description="G: number of client groups of phase 2")
         linkage: Literal["average", "complete", "single"] = Field(
@@ -94,14 +94,14 @@ class FedPFA(Algorithm):
 
     @property
     def switch_round(self) -> int:
-        return self.h.switch_round if self.h.switch_round is not None else self.setup.rounds // 2
+        return self.hyper.switch_round if self.hyper.switch_round is not None else self.setup.rounds // 2
 
     def check(self) -> None:
-        if self.h.switch_round is None and self.setup.rounds <= 0:
+        if self.hyper.switch_round is None and self.setup.rounds <= 0:
             raise ConfigError("fedpfa.switch_round: the run's number of rounds is unknown, so set the "
                               "phase switch explicitly (fedpfa.switch_round=T0)")
-        if self.h.groups > self.setup.num_clients:
-            raise ConfigError(f"fedpfa.groups={self.h.groups} exceeds the {self.setup.num_clients} clients; "
+        if self.hyper.groups > self.setup.num_clients:
+            raise ConfigError(f"fedpfa.groups={self.hyper.groups} exceeds the {self.setup.num_clients} clients; "
                               f"use fedpfa.groups <= num_clients")
 
     # --- state ---------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ class FedPFA(Algorithm):
         assignment, sparsity = dict(server["assignment"]), dict(server["sparsity"])
         models = list(server["group_models"])
         if not assignment:
-            labels = group_clients(vectors, self.h.groups, self.h.linkage)
+            labels = group_clients(vectors, self.hyper.groups, self.hyper.linkage)
             models = [server["params"]] * (int(labels.max()) + 1)
             self.record(rnd, "groups", len(models))
         else:

@@ -29,9 +29,10 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pfedkit.algorithms.prototype_exchange import PrototypeExchange, prototype_loss
+from pfedkit.algorithms.prototype_exchange import (GlobalFeatureWeighting, PrototypeExchange, PrototypeOptions,
+                                                  global_feature_weighting, prototype_loss)
 from pfedkit.algorithms.prototypes import alignment_loss
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
@@ -51,34 +52,19 @@ def prototype_logits(features: torch.Tensor, prototypes: torch.Tensor, present: 
 class FedProto(PrototypeExchange, Algorithm):
     name = "fedproto"
     description = "FedProto: clients share class prototypes (mean features), predict by the nearest global prototype"
+    evaluated_model = "custom"  # own model, predicting by the nearest global prototype
 
-    class Hyper(BaseModel):
-        """FedProto hyperparameters (baselines.md "FedProto").
+    class Hyper(PrototypeOptions):
+        """FedProto hyperparameters (baselines.md "FedProto"): the prototype options
+        (`PrototypeOptions`: lam 1.0 as FedProto MNIST/FEMNIST, FedReMa and PFLlib; the paper uses
+        0.1 on CIFAR-10), with the server's plain mean over uploaders as the default weighting (the
+        reported results and lam values come from FedProto's code), and:
 
-        lam: weight of the prototype regulariser, 1.0 (FedProto MNIST/FEMNIST, FedReMa, PFLlib);
-           the paper uses 0.1 on CIFAR-10 [paper].
-        global_feature_weighting: how the server averages the clients' prototypes of a class:
-           "uniform" = plain mean over the uploading clients [code: FedProto, PFLlib] (default: the
-           reported results and lam values come from that code); "count" = weighted by n_{i,c}
-           (the paper's formula normalised to sum to one, pFedPM's default) [ours]; "printed" = the
-           paper's formula as printed (count-weighted mean shrunk by 1/|N_c|) [paper].
-        regulariser: "sample_mse" = mean over the batch's B samples and d dimensions of
-           (f(x_b) - C̄_{y_b})^2, a sample whose class has no global prototype contributing 0 but
-           counting in B (`prototypes.alignment_loss`) [code: FedProto]; "class_distance" = sum
-           over the batch's classes of ||batch class mean - C̄_c||^2 (the paper's L_R between
-           local and global prototypes) [paper].
         prediction: "prototype" = nearest global prototype [paper, code: PFLlib]; "head" = the
            client's own classifier head.
         The mixing weight is fixed at a = 0 (the target is the global prototype), not an option.
         """
-        model_config = ConfigDict(extra="forbid")
-        lam: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
-        global_feature_weighting: Literal["uniform", "count", "printed"] = Field(
-            "uniform", description="server average of a class's prototypes: plain mean over uploaders "
-            "(FedProto code, PFLlib), weighted by class counts, or the paper's printed formula")
-        regulariser: Literal["sample_mse", "class_distance"] = Field(
-            "sample_mse", description="per-sample MSE to the global prototype (code) or squared distance "
-            "of the batch class means to it (paper's L_R)")
+        global_feature_weighting: GlobalFeatureWeighting = global_feature_weighting("uniform")
         prediction: Literal["prototype", "head"] = Field(
             "prototype", description="predict by the nearest global prototype, or with the model's head")
 
@@ -91,12 +77,12 @@ class FedProto(PrototypeExchange, Algorithm):
         global prototype is regularised, also on a client's first participation), then upload
         the class means of the trained body's outputs and the counts."""
         prototypes, present = self.received(message)
-        if self.h.regulariser == "sample_mse":
-            request = Fit(client["params"], loss=partial(alignment_loss, lambda_f=self.h.lam),
+        if self.hyper.regulariser == "sample_mse":
+            request = Fit(client["params"], loss=partial(alignment_loss, lambda_f=self.hyper.lam),
                           context={"prototypes": torch.where(present.unsqueeze(1), prototypes, torch.nan)})
         else:
             request = Fit(client["params"],
-                          loss=partial(prototype_loss, lam=self.h.lam, regulariser=self.h.regulariser),
+                          loss=partial(prototype_loss, lam=self.hyper.lam, regulariser=self.hyper.regulariser),
                           context={"mixed": prototypes, "has_mixed": present})
         params = yield request
         _, means, counts = self.local_features(params, data)
@@ -105,6 +91,6 @@ class FedProto(PrototypeExchange, Algorithm):
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """Nearest global prototype (server state after the round's aggregation); the model's head
         with `prediction="head"` or while no global prototype exists yet."""
-        if self.h.prediction == "head" or not bool(server["present"].any()):
+        if self.hyper.prediction == "head" or not bool(server["present"].any()):
             return self.setup.ops_for(cid).head_logits(client["params"], features)
         return prototype_logits(features, server["features"], server["present"])

@@ -10,12 +10,13 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import cross_entropy, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params, squared_distance
+from pfedkit.core.search import float_range
 
 
 def proximal_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[str, Any], *, mu: float) -> torch.Tensor:
@@ -31,10 +32,10 @@ class FedProx(FedAvg):
     name = "fedprox"
     description = "FedProx: FedAvg with a proximal term mu/2 ||w - w_global||^2"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        mu: float = Field(0.01, ge=0, description="proximal coefficient")
+    class Hyper(HyperParams):
+        mu: float = Field(0.01, ge=0, description="proximal coefficient",
+                          json_schema_extra=float_range(0.0001, 1.0, log=True))
 
     def local_fit(self, message: Message) -> Fit:
-        return Fit(message["params"], loss=partial(proximal_loss, mu=self.h.mu),
+        return Fit(message["params"], loss=partial(proximal_loss, mu=self.hyper.mu),
                    context={"anchor": message["params"]})

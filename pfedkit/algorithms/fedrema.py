@@ -29,14 +29,15 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.prototypes import alignment_loss, global_prototypes, present_class_means
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message, cross_entropy
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, merge, select, weighted_mean
 from pfedkit.core.seeds import SERVER, torch_generator
+from pfedkit.core.search import float_range
 
 PROBE_PURPOSE = "fedrema-probe"
 # The code's prototype similarity (sim_type=1) uses a plain softmax (§1.6).
@@ -164,9 +165,10 @@ def class_prototypes(features: torch.Tensor, labels: torch.Tensor,
 class FedReMa(Algorithm):
     name = "fedrema"
     description = "FedReMa: FedAvg body, heads averaged over MDS-selected relevant peers (CCP), then by G"
+    evaluated_model = "custom"  # global body + the head averaged over the selected peers
     head = "fc"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedReMa's options (spec §1.6, §1.7, §1.9). Defaults follow the spec.
 
         delta: CCP threshold δ of eq. 9.
@@ -194,9 +196,10 @@ class FedReMa(Algorithm):
             weighted by n_{i,c} (FedPAC).
         head_epochs: epochs of the head phase in A/AF; None = local_epochs [code] (FedPAC: 1).
         """
-        model_config = ConfigDict(extra="forbid")
-        delta: float = Field(0.5, ge=0, le=1, description="CCP threshold δ (eq. 9)")
-        temperature: float = Field(0.5, gt=0, description="probe temperature M")
+        delta: float = Field(0.5, ge=0, le=1, description="CCP threshold δ (eq. 9)",
+                             json_schema_extra=float_range(0.1, 0.9))
+        temperature: float = Field(0.5, gt=0, description="probe temperature M",
+                                   json_schema_extra=float_range(0.1, 2.0, log=True))
         peer_temperature: float | None = Field(None, gt=0, description="peers' temperature; None = M [paper], code 1.0")
         probe: Literal["random", "prototypes"] = "random"
         probe_scale: float = Field(1.0, gt=0, description="probe ~ U[0, scale): 1.0 paper, 0.5 code")
@@ -217,28 +220,28 @@ class FedReMa(Algorithm):
 
     @property
     def aligns_features(self) -> bool:
-        return "F" in self.h.variant
+        return "F" in self.hyper.variant
 
     @property
     def alternates(self) -> bool:
-        return "A" in self.h.variant
+        return "A" in self.hyper.variant
 
     @property
     def uploads_prototypes(self) -> bool:
-        return self.aligns_features or self.h.probe == "prototypes"
+        return self.aligns_features or self.hyper.probe == "prototypes"
 
     def check(self) -> None:
         """Refuse options that cannot act on this run's model (one ConfigError line each)."""
-        if self.h.variant != "none" and not select(self.setup.ops.initial_params(), "body"):
+        if self.hyper.variant != "none" and not select(self.setup.ops.initial_params(), "body"):
             raise ConfigError(
-                f"fedrema.variant={self.h.variant}: the model's body has no parameters (FedReMa's head is "
+                f"fedrema.variant={self.hyper.variant}: the model's body has no parameters (FedReMa's head is "
                 "every fully connected layer, so the mlp's body is only the flatten), so feature alignment "
                 "cannot change a feature and there is no body phase to alternate with; needs a model with "
                 "layers before its FC head (model=cnn on mnist, alexnet on cifar10); or set fedrema.variant=none")
-        if self.h.head_epochs is not None and not self.alternates:
+        if self.hyper.head_epochs is not None and not self.alternates:
             raise ConfigError(
-                f"fedrema.head_epochs={self.h.head_epochs}: only the alternating variants A and AF have a "
-                f"head phase, but fedrema.variant={self.h.variant}; set fedrema.variant=A (or AF) or drop "
+                f"fedrema.head_epochs={self.hyper.head_epochs}: only the alternating variants A and AF have a "
+                f"head phase, but fedrema.variant={self.hyper.variant}; set fedrema.variant=A (or AF) or drop "
                 "fedrema.head_epochs")
 
     # -- state ----------------------------------------------------------------------------------
@@ -281,10 +284,10 @@ class FedReMa(Algorithm):
     def _local_training(self, params: Params, prototypes: torch.Tensor | None):
         """§1.4 step 2 / §1.7: the round's Fit requests for the chosen variant."""
         context = {"prototypes": prototypes} if self.aligns_features and prototypes is not None else {}
-        body_loss = partial(alignment_loss, lambda_f=self.h.lambda_f) if self.aligns_features else cross_entropy
+        body_loss = partial(alignment_loss, lambda_f=self.hyper.lambda_f) if self.aligns_features else cross_entropy
         if not self.alternates:
             return (yield Fit(params, loss=body_loss, context=context))
-        params = yield Fit(params, trainable="head", epochs=self.h.head_epochs)
+        params = yield Fit(params, trainable="head", epochs=self.hyper.head_epochs)
         return (yield Fit(params, loss=body_loss, trainable="body", context=context))
 
     def _prototype_upload(self, params: Params, data: ClientData) -> Message:
@@ -294,7 +297,7 @@ class FedReMa(Algorithm):
         features = self.setup.ops.features(params, data.x_train, buffers, chunk=FEATURE_CHUNK).reshape(data.n_train, -1)
         classes, prototypes, counts = class_prototypes(features, data.y_train, self.setup.num_classes)
         upload = {"prototypes": prototypes, "prototype_classes": classes}
-        if self.h.proto_weighting == "count":
+        if self.hyper.proto_weighting == "count":
             upload["prototype_counts"] = counts
         return upload
 
@@ -313,13 +316,13 @@ class FedReMa(Algorithm):
         if self.uploads_prototypes:
             server["prototypes"] = global_prototypes([replies[cid] for cid in participants],
                                                      self.setup.num_classes, self._feature_dim(),
-                                                     self.h.proto_weighting)
+                                                     self.hyper.proto_weighting)
         self.record(rnd, "participants", np.array(participants))
         self.record(rnd, "ccp_active", bool(server["ccp"]))
         if server["ccp"]:
             self._co_learning_round(rnd, server, participants, uploaded_heads, sizes)
         else:
-            if self.h.similarity_after_ccp:
+            if self.hyper.similarity_after_ccp:
                 self.record(rnd, "relevance", self._relevance(rnd, participants, uploaded_heads,
                                                               server["prototypes"]).astype(np.float32))
             self._dependency_round(server, participants, uploaded_heads, sizes)
@@ -331,16 +334,16 @@ class FedReMa(Algorithm):
         relevance = self._relevance(rnd, participants, uploaded_heads, server["prototypes"])
         selected, max_gaps = {}, []
         for row, cid in enumerate(participants):
-            chosen, gap = mds(relevance[row], row, rule=self.h.mds_rule)
-            weights = sizes[chosen] if self.h.peer_weighting == "samples" else np.ones(len(chosen))
+            chosen, gap = mds(relevance[row], row, rule=self.hyper.mds_rule)
+            weights = sizes[chosen] if self.hyper.peer_weighting == "samples" else np.ones(len(chosen))
             server["heads"][cid] = weighted_mean([uploaded_heads[j] for j in chosen], weights)  # eq. 7
             peers = [participants[j] for j in chosen]
             server["dependency_map"][cid, peers] += 1
             selected[cid] = np.array(peers)
             max_gaps.append(gap)
-        mean_gap = gap_summary(max_gaps, self.h.gap_summary)
+        mean_gap = gap_summary(max_gaps, self.hyper.gap_summary)
         server["gap_history"].append(mean_gap)
-        if self.h.use_ccp and not ccp_continues(server["gap_history"], self.h.delta, self.h.ccp_boundary):
+        if self.hyper.use_ccp and not ccp_continues(server["gap_history"], self.hyper.delta, self.hyper.ccp_boundary):
             server["ccp"] = False  # for good: the next round uses G
             self.record(rnd, "ccp_end", rnd)
         self.record(rnd, "relevance", relevance.astype(np.float32))
@@ -357,7 +360,7 @@ class FedReMa(Algorithm):
             if weights.sum() > 0:
                 used = np.flatnonzero(weights)
                 server["heads"][cid] = weighted_mean([uploaded_heads[j] for j in used], weights[used])
-            elif self.h.g_fallback == "own":
+            elif self.hyper.g_fallback == "own":
                 server["heads"][cid] = uploaded_heads[row]
             else:
                 server["heads"][cid] = weighted_mean(uploaded_heads, sizes)
@@ -369,24 +372,24 @@ class FedReMa(Algorithm):
                    prototypes: torch.Tensor | None) -> np.ndarray:
         """The relevance matrix S over the participants (rows: target client), eq. 5."""
         ops = self.setup.ops
-        if self.h.probe == "prototypes":
+        if self.hyper.probe == "prototypes":
             known = prototypes[~torch.isnan(prototypes).any(dim=1)]
             logits = torch.stack([ops.head_logits(head, known) for head in heads], dim=1)  # [k, m, C]
             return np.mean([relevance_matrix(soft_predictions(per_class, PROTOTYPE_TEMPERATURE))
                             for per_class in logits], axis=0)
-        peer_temperature = self.h.temperature if self.h.peer_temperature is None else self.h.peer_temperature
-        shared = self.h.probe_draws == "shared"
+        peer_temperature = self.hyper.temperature if self.hyper.peer_temperature is None else self.hyper.peer_temperature
+        shared = self.hyper.probe_draws == "shared"
         matrix = np.empty((len(heads), len(heads)))
         logits = self._probe_logits(rnd, heads, PROBE_PURPOSE) if shared else None
         for row, cid in enumerate(participants):
             if not shared:  # the code redraws the probe for every target client
                 logits = self._probe_logits(rnd, heads, f"{PROBE_PURPOSE}-{cid}")
-            target = soft_predictions(logits[row], self.h.temperature)
+            target = soft_predictions(logits[row], self.hyper.temperature)
             matrix[row] = cosine_relevance(target, soft_predictions(logits, peer_temperature))
         np.fill_diagonal(matrix, 1.0)
         return matrix
 
     def _probe_logits(self, rnd: int, heads: list[Params], purpose: str) -> torch.Tensor:
         """g_φ(h̃) of every head on the round's probe, [m, C] (template in eval mode, no grad)."""
-        probe = draw_probe(self.setup.seed, rnd, self._feature_dim(), self.h.probe_scale, purpose)
+        probe = draw_probe(self.setup.seed, rnd, self._feature_dim(), self.hyper.probe_scale, purpose)
         return torch.cat([self.setup.ops.head_logits(head, probe) for head in heads])

@@ -9,26 +9,28 @@ Evaluated: global body + own head. Communication: |body| up and down.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedper import FedPer
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import ClientUpdate, Fit
+from pfedkit.core.contract import ClientUpdate, Fit, HyperParams
 from pfedkit.core.params import Params
+from pfedkit.core.search import int_range
 
 
 @register
 class FedRep(FedPer):
     name = "fedrep"
     description = "FedRep: train the private head (body frozen), then the shared body (head frozen)"
+    quick_test_options = {"head_epochs": 1}  # (10 head epochs per round by default)
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        head_epochs: int = Field(10, ge=0, description="tau_h: head epochs per round, body frozen")
+    class Hyper(HyperParams):
+        head_epochs: int = Field(10, ge=0, description="tau_h: head epochs per round, body frozen",
+                                 json_schema_extra=int_range(1, 10))
         body_epochs: int | None = Field(None, ge=0, description="tau_b: body epochs per round, head frozen "
                                         "(None: the config's local_epochs)")
 
     def local_training(self, params: Params) -> ClientUpdate:
-        if self.h.head_epochs > 0:
-            params = yield Fit(params, trainable="head", epochs=self.h.head_epochs, optimizer="head")
-        return (yield Fit(params, trainable="body", epochs=self.h.body_epochs, optimizer="body"))
+        if self.hyper.head_epochs > 0:
+            params = yield Fit(params, trainable="head", epochs=self.hyper.head_epochs, optimizer="head")
+        return (yield Fit(params, trainable="body", epochs=self.hyper.body_epochs, optimizer="body"))

@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import MeanOfUploads
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, select
+from pfedkit.core.search import float_range
 
 ABSENT_LOG_COUNT = -1.0e4  # stands for log 0 = -inf: exp(-1e4) underflows to 0, no NaN
 PERSONAL = "personal"      # prefix of the personal head's names in Fit.extra / client state
@@ -114,12 +115,12 @@ class FedRoD(MeanOfUploads, Algorithm):
     """The server averages body + generic head (`MeanOfUploads`, key "params")."""
     name = "fedrod"
     description = "FedRoD: shared body + generic head on balanced softmax, private personal head on top"
+    evaluated_model = "custom"  # global body + generic head + the personal head
     head = "last"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         gamma: float = Field(1.0, ge=0, description="balanced-softmax exponent: CE(z + gamma log n_{i,c}, y); "
-                             "0 = plain CE for the generic head")
+                             "0 = plain CE for the generic head", json_schema_extra=float_range(0.0, 2.0))
 
     def check(self) -> None:
         head = select(self.setup.ops.initial_params(), "head")
@@ -139,7 +140,7 @@ class FedRoD(MeanOfUploads, Algorithm):
         return {cid: {"params": server["params"]} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
-        trained = yield Fit(message["params"], loss=partial(fedrod_loss, gamma=self.h.gamma),
+        trained = yield Fit(message["params"], loss=partial(fedrod_loss, gamma=self.hyper.gamma),
                             context={"log_counts": log_class_counts(data.class_counts)},
                             extra=client["personal"])
         personal = {name: trained[name] for name in client["personal"]}

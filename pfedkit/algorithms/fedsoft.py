@@ -33,15 +33,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.clusters import UNASSIGNED, cluster_means, seeded_models
 from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import sample_losses
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import (Algorithm, ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message)
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, squared_distance, weighted_mean
 from pfedkit.core.seeds import SERVER, numpy_rng
+from pfedkit.core.search import float_range
 
 INIT_PURPOSE = "fedsoft-init"
 
@@ -116,8 +117,9 @@ def soft_proximal_loss(out: Forward, y: torch.Tensor, params: Params, context: M
 class FedSoft(Algorithm):
     name = "fedsoft"
     description = "FedSoft: S soft-clustered centres, local models pulled to each centre by importance weights"
+    evaluated_model = "own"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedSoft hyperparameters (spec baselines.md "FedSoft").
 
         num_centres: S, the number of centres (3 [ours; DA-PFL's 20-client setting]).
@@ -133,36 +135,36 @@ class FedSoft(Algorithm):
             None (default) [ours]: centre = sum_k v_sk w_k over all participants (the engine already
             chooses the participants).
         """
-        model_config = ConfigDict(extra="forbid")
 
         num_centres: int = Field(3, ge=1, description="S: number of centre models")
         tau: int = Field(2, ge=1, description="re-estimate importance weights every tau rounds")
         sigma: float = Field(1e-4, gt=0, le=1, description="n_ks of a centre no sample prefers, as a fraction of n_k")
-        lam: float = Field(0.1, ge=0, description="proximal weight lambda of the local objective")
+        lam: float = Field(0.1, ge=0, description="proximal weight lambda of the local objective",
+                           json_schema_extra=float_range(0.01, 1.0, log=True))
         catch_up: bool = Field(False, description="a participant that missed the latest estimation round estimates now")
         selection_size: int | None = Field(
             None, ge=1, description="K clients drawn per centre with probabilities v_s (None: v-weighted mean of all)")
 
     def check(self) -> None:
-        if self.h.selection_size is not None and self.h.selection_size > self.setup.num_clients:
-            raise ConfigError(f"fedsoft.selection_size={self.h.selection_size} exceeds num_clients="
+        if self.hyper.selection_size is not None and self.hyper.selection_size > self.setup.num_clients:
+            raise ConfigError(f"fedsoft.selection_size={self.hyper.selection_size} exceeds num_clients="
                               f"{self.setup.num_clients}; set it to at most {self.setup.num_clients} (or None)")
 
     # --- state -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        centres = seeded_models(self.setup.ops.build, params, self.h.num_centres, self.setup.seed, INIT_PURPOSE)
-        known = np.full((self.setup.num_clients, self.h.num_centres), np.nan)
+        centres = seeded_models(self.setup.ops.build, params, self.hyper.num_centres, self.setup.seed, INIT_PURPOSE)
+        known = np.full((self.setup.num_clients, self.hyper.num_centres), np.nan)
         return {"centres": centres, "importance": known}  # importance: latest u_k received (NaN: none yet)
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
-        return {"params": clone(params), "importance": np.full(self.h.num_centres, 1.0 / self.h.num_centres),
+        return {"params": clone(params), "importance": np.full(self.hyper.num_centres, 1.0 / self.hyper.num_centres),
                 "estimated_at": 0}  # round of the client's latest estimation (0: never)
 
     # --- round -------------------------------------------------------------------------------
 
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
-        estimate = is_estimation_round(rnd, self.h.tau)
+        estimate = is_estimation_round(rnd, self.hyper.tau)
         return {cid: {"centres": server["centres"], "estimate": estimate} for cid in cids}
 
     def estimate(self, cid: int, centres: Sequence[Params], data: ClientData) -> np.ndarray:
@@ -170,13 +172,13 @@ class FedSoft(Algorithm):
         ops = self.setup.ops_for(cid)
         losses = torch.stack([sample_losses(ops, centre, data.x_train, data.y_train, data.buffers)
                               for centre in centres])
-        return importance_weights(losses.numpy(), self.h.sigma)
+        return importance_weights(losses.numpy(), self.hyper.sigma)
 
     def should_estimate(self, rnd: int, client: dict, message: Message) -> bool:
         """An estimation round (the server's flag), or with `catch_up` a client whose latest
         estimation is older than the latest estimation round."""
-        missed = client["estimated_at"] < latest_estimation_round(rnd, self.h.tau)
-        return bool(message["estimate"]) or (self.h.catch_up and missed)
+        missed = client["estimated_at"] < latest_estimation_round(rnd, self.hyper.tau)
+        return bool(message["estimate"]) or (self.hyper.catch_up and missed)
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         centres = message["centres"]
@@ -185,7 +187,7 @@ class FedSoft(Algorithm):
         else:
             importance, estimated_at = client["importance"], client["estimated_at"]
         context = {"centres": centres, "importance": torch.as_tensor(importance, dtype=torch.float32)}
-        trained = yield Fit(client["params"], loss=partial(soft_proximal_loss, lam=self.h.lam), context=context)
+        trained = yield Fit(client["params"], loss=partial(soft_proximal_loss, lam=self.hyper.lam), context=context)
         return ({"params": trained, "importance": importance, "estimated_at": estimated_at},
                 {"params": trained, "importance": np.asarray(importance, dtype=np.float64), "weight": data.n_train})
 
@@ -200,16 +202,16 @@ class FedSoft(Algorithm):
         uploads = [replies[c]["params"] for c in ordered]
         v = centre_weights(np.stack([replies[c]["importance"] for c in ordered]),
                            [replies[c]["weight"] for c in ordered])
-        if self.h.selection_size is None:
+        if self.hyper.selection_size is None:
             centres = cluster_means(server["centres"], uploads, v)
         else:
-            centres = [self.selected_mean(rnd, s, v[s], uploads) for s in range(self.h.num_centres)]
+            centres = [self.selected_mean(rnd, s, v[s], uploads) for s in range(self.hyper.num_centres)]
         return {"centres": centres, "importance": known}
 
     def selected_mean(self, rnd: int, s: int, v_row: np.ndarray, uploads: list[Params]) -> Params:
         """Centre s = uniform mean of `selection_size` uploads drawn with probabilities v_s."""
         rng = numpy_rng(self.setup.seed, rnd, SERVER, f"fedsoft-select-{s}")
-        chosen = select_for_centre(v_row, self.h.selection_size, rng)
+        chosen = select_for_centre(v_row, self.hyper.selection_size, rng)
         return weighted_mean([uploads[i] for i in chosen], [1.0] * len(chosen))
 
     def record_assignment(self, rnd: int, known: np.ndarray) -> None:

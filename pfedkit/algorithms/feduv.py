@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import cross_entropy, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params
+from pfedkit.core.search import float_range
 
 
 def variance_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,7 @@ class FedUV(FedAvg):
     name = "feduv"
     description = "FedUV: FedAvg with class-probability variance and representation uniformity regularisers"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FedUV options.
 
         mu: weight of L_var, 2.5 [code: FedUV `std_coeff`; cwFedAvg Table 5].
@@ -81,9 +82,10 @@ class FedUV(FedAvg):
         gamma = 1/sqrt(C) [code: std of the identity matrix's columns] and sigma_u = the batch's
         median non-zero squared distance [code] are not options.
         """
-        model_config = ConfigDict(extra="forbid")
-        mu: float = Field(2.5, ge=0, description="weight of the variance regulariser L_var")
-        lam: float = Field(0.5, ge=0, description="weight of the uniformity regulariser L_unif")
+        mu: float = Field(2.5, ge=0, description="weight of the variance regulariser L_var",
+                          json_schema_extra=float_range(0.25, 10.0, log=True))
+        lam: float = Field(0.5, ge=0, description="weight of the uniformity regulariser L_unif",
+                           json_schema_extra=float_range(0.05, 2.0, log=True))
 
     def local_fit(self, message: Message) -> Fit:
-        return Fit(message["params"], loss=partial(feduv_loss, mu=self.h.mu, lam=self.h.lam))
+        return Fit(message["params"], loss=partial(feduv_loss, mu=self.hyper.mu, lam=self.hyper.lam))

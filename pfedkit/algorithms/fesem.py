@@ -26,11 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms import clusters
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, squared_distance_f64
 from pfedkit.core.seeds import SERVER, numpy_rng
@@ -67,28 +67,28 @@ def draw_initial_centres(seed: int, rnd: int, uploaders: list[int], k: int) -> l
 class FeSEM(Algorithm):
     name = "fesem"
     description = "FeSEM: K centres by stochastic EM on local models; each client trains from its nearest centre"
+    evaluated_model = "own"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """FeSEM hyperparameters.
 
         k: number of centres K. Default 3 [ours; the spec follows DA-PFL's 3 (20 clients) / 7
             (100 clients) convention]. K = 1 is FedAvg under full participation.
         Local epochs, lr and batch size come from the run config.
         """
-        model_config = ConfigDict(extra="forbid")
 
         k: int = Field(3, ge=1, description="number of centre models K")
 
     def check(self) -> None:
-        if self.h.k > self.setup.num_clients:
-            raise ConfigError(f"fesem.k={self.h.k}: the centres are initialised from k distinct clients' models, "
+        if self.hyper.k > self.setup.num_clients:
+            raise ConfigError(f"fesem.k={self.hyper.k}: the centres are initialised from k distinct clients' models, "
                               f"but the run has {self.setup.num_clients} clients; set fesem.k <= num_clients")
 
     # --- state -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
         initial = clone(params)
-        return {"centres": [initial] * self.h.k, "initial": initial, "initialised": False,
+        return {"centres": [initial] * self.hyper.k, "initial": initial, "initialised": False,
                 "models": {}, "sizes": {}}  # latest upload and n_i per client that uploaded
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
@@ -101,8 +101,8 @@ class FeSEM(Algorithm):
         participants' stored models; each participant gets its centre. The new centres are written
         into `server` here (the engine's broadcast returns only the messages)."""
         centres = server["centres"]
-        if not server["initialised"] and len(server["models"]) >= self.h.k:
-            chosen = draw_initial_centres(self.setup.seed, rnd, list(server["models"]), self.h.k)
+        if not server["initialised"] and len(server["models"]) >= self.hyper.k:
+            chosen = draw_initial_centres(self.setup.seed, rnd, list(server["models"]), self.hyper.k)
             centres = [server["models"][cid] for cid in chosen]
             server["initialised"] = True
             self.record(rnd, "centre_init_clients", np.asarray(chosen, dtype=np.int64))

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms import clusters
 from pfedkit.algorithms.registry import register
 from pfedkit.algorithms.scoring import mean_loss
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params
 
@@ -42,8 +42,9 @@ def choose_cluster(ops, models: list[Params], data: ClientData) -> tuple[int, li
 class IFCA(Algorithm):
     name = "ifca"
     description = "IFCA: k cluster models, each client trains the one with the lowest loss on its data"
+    evaluated_model = "custom"  # the cluster model the client chose
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """IFCA hyperparameters.
 
         k: number of cluster models. Default 3 [ours, the spec's DA-PFL setting for 20 clients;
@@ -51,18 +52,17 @@ class IFCA(Algorithm):
         Local epochs, lr and batch size come from the run config; the optional weight sharing of
         the paper is not implemented.
         """
-        model_config = ConfigDict(extra="forbid")
 
         k: int = Field(3, ge=1, description="number of cluster models (k = 1: FedAvg)")
 
     def check(self) -> None:
-        if self.h.k < 1:
-            raise ConfigError(f"ifca.k={self.h.k}: needs at least one cluster model; set ifca.k >= 1")
+        if self.hyper.k < 1:
+            raise ConfigError(f"ifca.k={self.hyper.k}: needs at least one cluster model; set ifca.k >= 1")
 
     # --- state -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        return {"models": clusters.seeded_models(self.setup.ops.build, params, self.h.k, self.setup.seed, "ifca-init")}
+        return {"models": clusters.seeded_models(self.setup.ops.build, params, self.hyper.k, self.setup.seed, "ifca-init")}
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"cluster": None}  # chosen at the first participation
@@ -86,7 +86,7 @@ class IFCA(Algorithm):
         if not ordered:
             return server
         weights = clusters.one_hot_weights([assignment[c] for c in ordered],
-                                           [replies[c]["weight"] for c in ordered], self.h.k)
+                                           [replies[c]["weight"] for c in ordered], self.hyper.k)
         models = clusters.cluster_means(server["models"], [replies[c]["params"] for c in ordered], weights)
         return {"models": models}
 

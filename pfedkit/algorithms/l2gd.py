@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
 from pfedkit.core.seeds import SERVER, numpy_rng
+from pfedkit.core.search import float_range
 
 
 def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:
@@ -34,14 +35,16 @@ def is_aggregation_round(seed: int, rnd: int, p: float) -> bool:
 class L2GD(Algorithm):
     name = "l2gd"
     description = "L2GD: local SGD rounds and, with probability p, rounds mixing every model towards the mean"
+    evaluated_model = "custom"  # the local model, mixed towards the mean on an aggregation round
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round")
-        theta: float = Field(0.1, ge=0, le=1, description="mixing weight towards the mean (eta*lam/(N p))")
+    class Hyper(HyperParams):
+        p: float = Field(0.2, ge=0, le=1, description="probability that a round is an aggregation round",
+                         json_schema_extra=float_range(0.05, 0.5))
+        theta: float = Field(0.1, ge=0, le=1, description="mixing weight towards the mean (eta*lam/(N p))",
+                             json_schema_extra=float_range(0.01, 1.0, log=True))
 
     def aggregating(self, rnd: int) -> bool:
-        return rnd >= 1 and is_aggregation_round(self.setup.seed, rnd, self.h.p)
+        return rnd >= 1 and is_aggregation_round(self.setup.seed, rnd, self.hyper.p)
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}
@@ -60,7 +63,7 @@ class L2GD(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         if "mean" in message:
-            return {"params": interpolate(client["params"], message["mean"], self.h.theta)}, {}
+            return {"params": interpolate(client["params"], message["mean"], self.hyper.theta)}, {}
         params = yield Fit(client["params"])
         return {"params": params}, {}
 

@@ -14,4 +14,5 @@ from pfedkit.algorithms.registry import register
 class LGFedAvg(FedPer):
     name = "lg_fedavg"
     description = "LG-FedAvg: FedAvg on the head, each client keeps its own body"
+    evaluated_model = "shared_head"
     shared = "head"

@@ -12,6 +12,7 @@ from pfedkit.core.params import Params, clone
 class Local(Algorithm):
     name = "local"
     description = "Local: each client trains alone, no communication"
+    evaluated_model = "own"
     supports_heterogeneous_models = True
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:

@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import ClientData, ClientUpdate, Fit, Forward, Message, cross_entropy
+from pfedkit.core.contract import ClientData, ClientUpdate, cross_entropy, Fit, Forward, HyperParams, Message
 from pfedkit.core.params import Params, clone
+from pfedkit.core.search import float_range
 
 CHUNK = 1000  # samples per eval-mode forward when computing z_g and z_p (bounded memory)
 
@@ -61,7 +62,7 @@ class MOON(FedAvg):
     name = "moon"
     description = "MOON: FedAvg with a model-contrastive loss (global vs previous local representation)"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """MOON options.
 
         mu: weight of l_con. Paper: 5 (CIFAR-10), 1 (CIFAR-100, Tiny-ImageNet); FL-bench 5. Default 1
@@ -70,9 +71,10 @@ class MOON(FedAvg):
         The representation is the body output [ours: PFLlib-comparable]; MOON's 2-layer projection
         head (output 256) is not built in (use a model whose body ends with such an MLP).
         """
-        model_config = ConfigDict(extra="forbid")
-        mu: float = Field(1.0, ge=0, description="weight of the model-contrastive term")
-        tau: float = Field(0.5, gt=0, description="temperature of the cosine similarities")
+        mu: float = Field(1.0, ge=0, description="weight of the model-contrastive term",
+                          json_schema_extra=float_range(0.1, 10.0, log=True))
+        tau: float = Field(0.5, gt=0, description="temperature of the cosine similarities",
+                           json_schema_extra=float_range(0.1, 1.0))
 
     def init_client(self, cid: int, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}
@@ -82,5 +84,5 @@ class MOON(FedAvg):
         ops = self.setup.ops_for(cid)
         context = {"z_global": representations(ops, received, data),
                    "z_prev": representations(ops, client["params"], data)}
-        trained = yield Fit(received, loss=partial(moon_loss, mu=self.h.mu, tau=self.h.tau), context=context)
+        trained = yield Fit(received, loss=partial(moon_loss, mu=self.hyper.mu, tau=self.hyper.tau), context=context)
         return {"params": trained}, {"params": trained, "weight": data.n_train}

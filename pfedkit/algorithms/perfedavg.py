@@ -23,12 +23,13 @@ from functools import partial
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pfedkit.algorithms.fedavg import FedAvg
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Batch, Fit, Message, StepTools
+from pfedkit.core.contract import Batch, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params
+from pfedkit.core.search import float_range
 
 
 def shifted(params: Params, direction: Params, scale: float) -> Params:
@@ -73,22 +74,23 @@ def meta_step(tools: StepTools, batches: list[Batch], *, beta: float, variant: s
 class PerFedAvg(FedAvg):
     name = "perfedavg"
     description = "Per-FedAvg: MAML-style meta step (fo or hf), FedAvg server, evaluated after one local step"
+    evaluated_model = "custom"  # the global model after one adaptation step
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Hyper(HyperParams):
         variant: Literal["fo", "hf"] = Field("fo", description="first-order (2 batches per step) or "
                                              "Hessian-free (3 batches, finite-difference Hessian-vector product)")
         alpha: float | None = Field(None, ge=0, description="inner step size alpha, also the evaluation step's "
                                     "lr (None: the config's lr)")
-        beta: float = Field(0.001, ge=0, description="outer (meta) step size beta")
+        beta: float = Field(0.001, ge=0, description="outer (meta) step size beta",
+                            json_schema_extra=float_range(0.0001, 0.01, log=True))
         delta: float = Field(0.001, gt=0, description="finite-difference step of the HF variant")
 
     def local_fit(self, message: Message) -> Fit:
         """FedAvg's client update with the meta step instead of plain SGD."""
-        step = partial(meta_step, beta=self.h.beta, variant=self.h.variant, delta=self.h.delta)
-        return Fit(message["params"], lr=self.h.alpha, step=step,
-                   batches_per_step=3 if self.h.variant == "hf" else 2)
+        step = partial(meta_step, beta=self.hyper.beta, variant=self.hyper.variant, delta=self.hyper.delta)
+        return Fit(message["params"], lr=self.hyper.alpha, step=step,
+                   batches_per_step=3 if self.hyper.variant == "hf" else 2)
 
     def adapt(self, cid: int, server: dict, client: None, params: Params) -> Fit:
         """The inner step (lr alpha, one training batch) from the evaluated (global) model."""
-        return Fit(params, steps=1, lr=self.h.alpha, step=inner_step)
+        return Fit(params, steps=1, lr=self.hyper.alpha, step=inner_step)

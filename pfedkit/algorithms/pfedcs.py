@@ -49,13 +49,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
+from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select, weighted_mean
 from pfedkit.core.seeds import derive_seed
+from pfedkit.core.search import float_range, int_range
 
 GROUPINGS = ("gmm", "kmeans", "agglomerative", "fixed")
 NORMALISATIONS = ("l2", "none")
@@ -311,9 +312,10 @@ def frozen_teacher_outputs(ops: Any, teacher: Params, x: torch.Tensor, buffers: 
 class PFedCS(Algorithm):
     name = "pfedcs"
     description = "PFedCS: GMM-chosen similar classifiers -> customised teacher head, then FedPer"
+    evaluated_model = "custom"  # global body + own head, with normalised logits
     head = "last"
 
-    class Hyper(BaseModel):
+    class Hyper(HyperParams):
         """PFedCS hyperparameters (spec §4.7; [ours] choices of §4.4-4.5 as options).
 
         beta: number of stage-1 rounds (paper: not stated; spec default 100 = T/2). 0 = FedPer.
@@ -342,10 +344,11 @@ class PFedCS(Algorithm):
             (fine-tuning, KL-guided training, stage 2) and in prediction; "none": a plain Linear
             classifier (stage 2 then equals FedPer exactly).
         """
-        model_config = ConfigDict(extra="forbid")
         beta: int = Field(100, ge=0, description="stage-1 rounds (then FedPer)")
-        dca_lambda: float = Field(0.5, ge=0, le=1, description="DCA balance lambda (eq. 7)")
-        rho: int = Field(1, ge=0, description="fine-tuning epochs of the customised classifier")
+        dca_lambda: float = Field(0.5, ge=0, le=1, description="DCA balance lambda (eq. 7)",
+                                  json_schema_extra=float_range(0.1, 0.9))
+        rho: int = Field(1, ge=0, description="fine-tuning epochs of the customised classifier",
+                         json_schema_extra=int_range(1, 5))
         finetune_lr: PositiveFloat | None = Field(None, description="eta_v; None = the run's lr")
         grouping: Literal["gmm", "kmeans", "agglomerative", "fixed"] = Field("gmm", description="candidate grouping")
         fixed_threshold: float = Field(0.5, ge=0, description="threshold of grouping='fixed'")
@@ -363,7 +366,7 @@ class PFedCS(Algorithm):
     # -- stages ---------------------------------------------------------------------------------
 
     def in_stage_one(self, rnd: int) -> bool:
-        return rnd <= self.h.beta if self.h.stage_one_includes_beta else rnd < self.h.beta
+        return rnd <= self.hyper.beta if self.hyper.stage_one_includes_beta else rnd < self.hyper.beta
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -376,11 +379,11 @@ class PFedCS(Algorithm):
             raise ConfigError(f"model: pfedcs needs the head (the model's last layer) to be one Linear layer, got "
                               f"head parameters {sorted(head)}; allowed: a model ending in a Linear layer (mlp, cnn, "
                               f"resnet18, ...); choose such a model") from None
-        if self.h.distance_includes_bias and bias_name is None:
+        if self.hyper.distance_includes_bias and bias_name is None:
             raise ConfigError("pfedcs.distance_includes_bias: true, but the model's classifier has no bias; the "
                               "distance can only use the weight; set pfedcs.distance_includes_bias=false")
         if self.in_stage_one(1) and self.setup.num_clients < 2:
-            raise ConfigError(f"pfedcs.beta: stage 1 ({self.h.beta} rounds) picks collaborators among clients but "
+            raise ConfigError(f"pfedcs.beta: stage 1 ({self.hyper.beta} rounds) picks collaborators among clients but "
                               f"the run has {self.setup.num_clients} client; needs num_clients >= 2; set "
                               "num_clients >= 2 or pfedcs.beta=0 (FedPer)")
 
@@ -400,15 +403,15 @@ class PFedCS(Algorithm):
         return {cid: {"body": server["body"], "head": customised[cid]} for cid in cids}
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
-        body, ce_loss = message["body"], partial(classifier_loss, normalisation=self.h.logit_normalisation)
+        body, ce_loss = message["body"], partial(classifier_loss, normalisation=self.hyper.logit_normalisation)
         if self.in_stage_one(rnd):
             teacher = merge(body, message["head"])
-            if self.h.rho > 0:  # eq. 9-10: fine-tune v_k on local data, body frozen
-                tuned = yield Fit(teacher, loss=ce_loss, trainable="head", epochs=self.h.rho, lr=self.h.finetune_lr)
+            if self.hyper.rho > 0:  # eq. 9-10: fine-tune v_k on local data, body frozen
+                tuned = yield Fit(teacher, loss=ce_loss, trainable="head", epochs=self.hyper.rho, lr=self.hyper.finetune_lr)
                 teacher = merge(body, select(tuned, "head"))
             # eq. 11-13: body + own head, guided by the frozen fine-tuned teacher (then discarded)
             params = yield Fit(merge(body, client["head"]), context=self.teacher_context(cid, teacher, data),
-                               loss=partial(kl_guided_loss, normalisation=self.h.logit_normalisation))
+                               loss=partial(kl_guided_loss, normalisation=self.hyper.logit_normalisation))
         else:  # stage 2: FedPer
             params = yield Fit(merge(body, client["head"]), loss=ce_loss)
         head = select(params, "head")
@@ -422,7 +425,7 @@ class PFedCS(Algorithm):
 
         "frozen": the teacher's logits for every training sample, padded to the largest client's
         training set size (one shape for every client, so they train as one vectorized group)."""
-        if self.h.teacher == "current_features":
+        if self.hyper.teacher == "current_features":
             return current_feature_teacher(select(teacher, "head"))
         rows = int(np.asarray(self.setup.train_counts).sum(axis=1).max())
         return {"teacher_logits": frozen_teacher_outputs(self.setup.ops_for(cid), teacher, data.x_train,
@@ -446,7 +449,7 @@ class PFedCS(Algorithm):
         return merge(server["body"], client["head"])
 
     def has_custom_predict(self) -> bool:
-        return self.h.logit_normalisation != "none"
+        return self.hyper.logit_normalisation != "none"
 
     def new_client_refusal(self) -> str | None:
         """The default joining model (global body + the client's initial head) is fine, but the
@@ -460,7 +463,7 @@ class PFedCS(Algorithm):
         """The paper's classifier: the client's head, then the normalisation (same argmax as the
         head alone; the evaluation loss is that of the normalised probabilities)."""
         logits = self.setup.ops_for(cid).head_logits(client["head"], features)
-        return normalise_logits(logits, self.h.logit_normalisation)
+        return normalise_logits(logits, self.hyper.logit_normalisation)
 
     # -- stage-1 server math --------------------------------------------------------------------
 
@@ -475,11 +478,11 @@ class PFedCS(Algorithm):
         customised, plans = {}, {}
         for k, cid in enumerate(cids):
             plan = plan_collaboration(
-                normalised, counts, k, rnd, self.h.beta, lam=self.h.dca_lambda,
-                renormalise=self.h.dca_renormalise, grouping=self.h.grouping,
+                normalised, counts, k, rnd, self.hyper.beta, lam=self.hyper.dca_lambda,
+                renormalise=self.hyper.dca_renormalise, grouping=self.hyper.grouping,
                 seed=derive_seed(self.setup.seed, rnd, cid, "pfedcs-grouping"),
-                fixed_threshold=self.h.fixed_threshold, reg_covar=self.h.gmm_reg_covar,
-                max_iter=self.h.gmm_max_iter, n_init=self.h.gmm_n_init)
+                fixed_threshold=self.hyper.fixed_threshold, reg_covar=self.hyper.gmm_reg_covar,
+                max_iter=self.hyper.gmm_max_iter, n_init=self.hyper.gmm_n_init)
             members = [heads[j] for j in plan.collaborators] + [heads[k]]
             customised[cid] = weighted_sum(members, plan.weights)
             plans[cid] = plan
@@ -490,7 +493,7 @@ class PFedCS(Algorithm):
         """phi_k flattened: the weight matrix, plus the bias with distance_includes_bias."""
         weight_name, bias_name = linear_layer_names(head, "head")
         parts = [head[weight_name].reshape(-1)]
-        if self.h.distance_includes_bias and bias_name is not None:
+        if self.hyper.distance_includes_bias and bias_name is not None:
             parts.append(head[bias_name].reshape(-1))
         return torch.cat(parts).detach().to(torch.float64)
 

@@ -19,11 +19,12 @@ from functools import partial
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from pfedkit.algorithms.registry import register
-from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, Message, StepTools
+from pfedkit.core.contract import Algorithm, Batch, ClientData, ClientUpdate, Fit, HyperParams, Message, StepTools
 from pfedkit.core.params import Params, clone, interpolate, weighted_mean
+from pfedkit.core.search import choices, float_range
 
 LOCAL = "local."  # prefix of the local copy w_i among a Fit's extra tensors
 
@@ -53,14 +54,16 @@ def moreau_step(tools: StepTools, batches: list[Batch], *, lam: float, inner_ste
 class PFedMe(Algorithm):
     name = "pfedme"
     description = "pFedMe: Moreau-envelope inner solve (K steps, lam) per batch, server mix with beta"
+    evaluated_model = "own"
 
-    class Hyper(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i")
+    class Hyper(HyperParams):
+        lam: float = Field(15.0, ge=0, description="lambda: strength of the pull between theta and the local copy w_i",
+                           json_schema_extra=float_range(1.0, 30.0, log=True))
         inner_steps: int = Field(5, ge=1, description="K: gradient steps of the inner (personalised) problem per batch")
-        personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps")
+        personal_lr: float = Field(0.01, gt=0, description="eta_p: step size of the inner steps",
+                                   json_schema_extra=float_range(0.001, 0.1, log=True))
         beta: float = Field(1.0, ge=0, description="server mixing: w <- (1 - beta) w + beta mean_i w_i "
-                            "(the paper also uses 2)")
+                            "(the paper also uses 2)", json_schema_extra=choices(1.0, 2.0))
         mu: float = Field(0.001, ge=0, description="L2 term mu theta in the inner steps")
 
         @field_validator("beta")
@@ -84,8 +87,8 @@ class PFedMe(Algorithm):
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         received = message["params"]
-        step = partial(moreau_step, lam=self.h.lam, inner_steps=self.h.inner_steps,
-                       personal_lr=self.h.personal_lr, mu=self.h.mu)
+        step = partial(moreau_step, lam=self.hyper.lam, inner_steps=self.hyper.inner_steps,
+                       personal_lr=self.hyper.personal_lr, mu=self.hyper.mu)
         trained = yield Fit(received, step=step, extra={LOCAL + name: t for name, t in received.items()})
         theta = {name: t for name, t in trained.items() if not name.startswith(LOCAL)}
         local = {name[len(LOCAL):]: t for name, t in trained.items() if name.startswith(LOCAL)}
@@ -95,7 +98,7 @@ class PFedMe(Algorithm):
         if not replies:
             return server
         uploads = [replies[cid]["params"] for cid in sorted(replies)]
-        return {"params": interpolate(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.h.beta)}
+        return {"params": interpolate(server["params"], weighted_mean(uploads, [1.0] * len(uploads)), self.hyper.beta)}
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         return server["params"] if client["theta"] is None else client["theta"]

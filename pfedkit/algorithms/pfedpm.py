@@ -50,14 +50,15 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pfedkit.algorithms.prototype_exchange import PrototypeExchange, prototype_loss
+from pfedkit.algorithms.prototype_exchange import PrototypeExchange, PrototypeOptions, prototype_loss
 from pfedkit.algorithms.prototypes import FeatureTable
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, Message
 from pfedkit.core.params import Params, clone
 from pfedkit.core.seeds import SERVER, derive_seed
+from pfedkit.core.search import float_range
 from pfedkit.models.relation import RelationModule, relation_buffers, relation_params, relation_scores
 
 UNAVAILABLE_SCORE = -1.0  # "logit" of a class without a class feature: below every score in (0, 1)
@@ -183,34 +184,21 @@ class PFedPM(PrototypeExchange, Algorithm):
     the mix of eq. (8) and the local training of eq. (9)."""
     name = "pfedpm"
     description = "pFedPM: clients exchange per-class mean features; local loss pulls features to a local/global mix"
+    evaluated_model = "own"
 
-    class Hyper(BaseModel):
-        """pFedPM hyperparameters (seed spec §2.7).
+    class Hyper(PrototypeOptions):
+        """pFedPM hyperparameters (seed spec §2.7): the prototype options (`PrototypeOptions`: lam,
+        global_feature_weighting, regulariser; the target of eq. 9's R_i is the mixed feature of
+        eq. 8), and:
 
         a: mixing weight of the local feature in eq. (8) (0: global feature only, FedProto's
            target; 1: own previous feature only). Spec default 0.4 [ours; FEMNIST n=4].
-        lam: weight of the feature regulariser in eq. (9): 1 for MNIST/FEMNIST, 0.1 for CIFAR-10.
-        global_feature_weighting: "count" = eq. (7) normalised by the class's sample counts
-           [ours, the printed FedProto formula made to sum to one]; "uniform" = plain mean over
-           the uploading clients (FedProto's code); "printed" = FedProto's printed formula as is
-           (count-weighted mean divided by the number of uploaders |N_c|).
-        regulariser: "sample_mse" = eq. (9)'s R_i as per-sample MSE to the mixed feature of the
-           sample's class (FedProto's code; the paper's lambdas are tuned for it) [recon];
-           "class_distance" = eq. (11) literally: sum over the batch's classes of the squared
-           distance between the batch's class-mean feature and the mixed feature.
         prototype_source: "eval_pass" = local features from one no-grad eval-mode pass over the
            client's training data after training [ours]; "training_passes" (FedProto's code:
            features produced during the training passes) needs engine support and is refused.
         """
-        model_config = ConfigDict(extra="forbid")
-        a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)")
-        lam: float = Field(1.0, ge=0, description="regulariser weight lambda (eq. 9)")
-        global_feature_weighting: Literal["count", "uniform", "printed"] = Field(
-            "count", description="eq. (7): weight uploads by class counts, plain mean (FedProto code), "
-            "or FedProto's printed formula (count-weighted mean / number of uploaders)")
-        regulariser: Literal["sample_mse", "class_distance"] = Field(
-            "sample_mse", description="R_i of eq. (9): per-sample MSE (FedProto code) or eq. (11)'s "
-            "squared distance of the batch class means to the mixed features")
+        a: float = Field(0.4, ge=0, le=1, description="mixing weight of the local feature (eq. 8)",
+                         json_schema_extra=float_range(0.0, 1.0))
         prototype_source: Literal["eval_pass", "training_passes"] = Field(
             "eval_pass", description="how local features are computed (training_passes: not available)")
 
@@ -234,12 +222,12 @@ class PFedPM(PrototypeExchange, Algorithm):
 
     def received_and_mixed(self, client: dict, message: Message) -> tuple[FeatureTable, FeatureTable]:
         received = self.received(message)
-        mixed = mix_features(client["local"], client["has_local"], *received, self.h.a)
+        mixed = mix_features(client["local"], client["has_local"], *received, self.hyper.a)
         return received, mixed
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         _, (mixed, has_mixed) = self.received_and_mixed(client, message)
-        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=self.h.lam, regulariser=self.h.regulariser),
+        params = yield Fit(client["params"], loss=partial(pfedpm_loss, lam=self.hyper.lam, regulariser=self.hyper.regulariser),
                            context={"mixed": mixed, "has_mixed": has_mixed})
         _, means, counts = self.local_features(params, data)
         return {"params": params, "local": means, "has_local": counts > 0}, self.upload(means, counts)
@@ -249,6 +237,7 @@ class PFedPM(PrototypeExchange, Algorithm):
 class RPFedPM(PFedPM):
     name = "rpfedpm"
     description = "R-pFedPM: pFedPM with a per-client relation module scoring (feature, class feature) pairs"
+    evaluated_model = "custom"  # own model, predicting by the relation module's scores
     removed_options = REMOVED_RELATION_KEYS
 
     class Hyper(PFedPM.Hyper):
@@ -271,7 +260,8 @@ class RPFedPM(PFedPM):
             "joint", description="joint: body, head and relation module in one SGD (paper: both heads share "
             "the body); alternate: body + head with the relation module fixed, then the module alone")
         relation_weight: float = Field(1.0, gt=0, description="weight of the relation loss (eq. 13); > 0, "
-                                       "else the relation head that predicts never learns")
+                                       "else the relation head that predicts never learns",
+                                       json_schema_extra=float_range(0.1, 10.0, log=True))
         relation_detach_body: bool = Field(False, description="keep the relation loss's gradient out of the body")
         relation_epochs: int | None = Field(None, ge=1, description="relation_training=alternate: epochs of the "
                                             "relation module's own Fit (None: local_epochs)")
@@ -305,7 +295,7 @@ class RPFedPM(PFedPM):
         return state
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
-        h = self.h
+        h = self.hyper
         received, (mixed, has_mixed) = self.received_and_mixed(client, message)
         class_features, available = relation_class_features(mixed, has_mixed, *received)
         psi, statistics = client["relation"], client["relation_stats"]
@@ -335,8 +325,8 @@ class RPFedPM(PFedPM):
                      relation_context: dict[str, Any]) -> Fit:
         """Alternate form, step 2: psi alone (the model frozen) on relation_weight * L_rel over the
         body's eval-mode features of the training data, its own optimizer slot "relation"."""
-        return Fit(params, loss=partial(relation_only_loss, weight=self.h.relation_weight), trainable="none",
-                   epochs=self.h.relation_epochs, context={**relation_context, "features": features},
+        return Fit(params, loss=partial(relation_only_loss, weight=self.hyper.relation_weight), trainable="none",
+                   epochs=self.hyper.relation_epochs, context={**relation_context, "features": features},
                    extra=relation_extra(psi, statistics), optimizer="relation")
 
     def predict(self, cid: int, server: Any, client: dict, features: torch.Tensor) -> torch.Tensor:

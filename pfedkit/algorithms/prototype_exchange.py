@@ -13,7 +13,9 @@ FedProto pulls to the global prototype itself (a = 0) and predicts by the neares
   hooks: server state, broadcast, eq. (6) local features and the upload, eq. (7) aggregation (and
   its diagnostics "local_global_distance" and "global_classes"), the client's own model, the
   feature-dimension check of heterogeneous models, the refusal of new clients. It reads
-  `self.h.global_feature_weighting`.
+  `self.hyper.global_feature_weighting`.
+- `PrototypeOptions`: the options every prototype method has (lam, global_feature_weighting,
+  regulariser), declared once; each method's `Hyper` extends it (FedProto changes one default).
 - the math both use: `global_features` (eq. 7), the regularisers of eq. (9) / (11) and
   `prototype_loss` (CE + lambda R), `feature_distance` (diagnostic).
 
@@ -23,18 +25,51 @@ docs/algorithms/fedproto.md.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel
+from pydantic import Field
 
 from pfedkit.algorithms.prototypes import FeatureTable, class_means, message_to_table, table_to_message
-from pfedkit.core.contract import ClientData, Forward, Message, cross_entropy
+from pfedkit.core.contract import ClientData, Forward, HyperParams, Message, cross_entropy
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params
+from pfedkit.core.search import float_range
 
 FEATURE_CHUNK = 512  # samples per forward when computing local features (memory bound only)
+
+GlobalFeatureWeighting = Literal["count", "uniform", "printed"]
+
+
+def global_feature_weighting(default: GlobalFeatureWeighting):
+    """The `global_feature_weighting` option with a method's default (eq. 7's server average)."""
+    return Field(default, description="eq. (7), the server's average of a class's uploaded features: weighted "
+                 "by class counts, plain mean over the uploaders (FedProto's code, PFLlib), or FedProto's "
+                 "printed formula (count-weighted mean divided by the number of uploaders)")
+
+
+class PrototypeOptions(HyperParams):
+    """The options of every prototype-exchanging method (FedProto, pFedPM, R-pFedPM).
+
+    lam: weight of the feature regulariser (pFedPM eq. 9's lambda, FedProto's); 1 for MNIST and
+       FEMNIST, 0.1 on CIFAR-10 in both papers.
+    global_feature_weighting: "count" = eq. (7) normalised by the class's sample counts [ours: the
+       printed FedProto formula made to sum to one]; "uniform" = plain mean over the uploading
+       clients [code: FedProto, PFLlib]; "printed" = FedProto's printed formula as is
+       (count-weighted mean divided by the number of uploaders |N_c|) [paper].
+    regulariser: "sample_mse" = mean over the batch's B samples and d dimensions of
+       (f(x_b) - target_{y_b})^2, a sample whose class has no target contributing 0 but counting
+       in B (`prototypes.alignment_loss`) [code: FedProto; the papers' lambdas are tuned for it];
+       "class_distance" = sum over the batch's classes of ||batch class mean - target_c||^2
+       (pFedPM eq. 11, FedProto's L_R as printed) [paper].
+    """
+    lam: float = Field(1.0, ge=0, description="weight of the feature (prototype) regulariser (pFedPM eq. 9's lambda)",
+                       json_schema_extra=float_range(0.1, 10.0, log=True))
+    global_feature_weighting: GlobalFeatureWeighting = global_feature_weighting("count")
+    regulariser: Literal["sample_mse", "class_distance"] = Field(
+        "sample_mse", description="per-sample MSE to the target feature of the sample's class (FedProto's code) "
+        "or squared distance of the batch's class means to the targets (pFedPM eq. 11, FedProto's L_R)")
 
 # Features travel as {class label: tensor [d]}; a table is the dense form ([C, d] + mask [C]).
 
@@ -140,7 +175,7 @@ class PrototypeExchange:
     supports_heterogeneous_models: ClassVar[bool] = True  # only features travel (pFedPM-mh, spec §2.9)
     head: ClassVar[str] = "last"  # body = up to the 50-d fc1 feature, decision head = fc2 (spec §2.2)
 
-    def __init__(self, hyper: BaseModel, setup) -> None:
+    def __init__(self, hyper: HyperParams, setup) -> None:
         super().__init__(hyper, setup)
         self.feature_dim = int(setup.ops.template.feature_dim)
 
@@ -195,7 +230,7 @@ class PrototypeExchange:
             return server
         ordered = sorted(replies)
         means, totals = global_features([(replies[c]["features"], replies[c]["counts"]) for c in ordered],
-                                        self.h.global_feature_weighting)
+                                        self.hyper.global_feature_weighting)
         server = {name: value.clone() for name, value in server.items()}
         for label, feature in means.items():
             server["features"][label] = feature

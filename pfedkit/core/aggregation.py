@@ -14,13 +14,14 @@ model, not one per participant (1,000 FedAvg clients: 2.3 MB instead of 2.3 GB).
 - `MeanOfUploads`: the Algorithm mixin of FedAvg and every method whose server keeps one part of
   the model as that mean (FedPer's shared part, FedBABU's body, FedRoD's body + generic head). The
   method names the server key (`averaged`); the mixin gives both of the contract's entry points,
-  `aggregate` (batch) and `start_aggregation` (streamed, or client-level DP's noised mean), so the
-  mean is declared once.
+  `aggregate` (batch) and `start_aggregation` (streamed), so the mean is declared once, and refuses
+  a subclass that overrides either: being a `MeanOfUploads` is a capability others can rely on.
+  Client-level DP does (`pfedkit.privacy`): it replaces exactly that mean, from outside the
+  algorithm, by handing the round loop another `StartAggregation`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any, ClassVar, Protocol
 
 from pfedkit.core.params import Params, WeightedSum, mean_shares, weighted_mean
@@ -34,6 +35,11 @@ class Aggregation(Protocol):
 
     def finish(self) -> Any:
         """The new server state, once every reply that will come has been added."""
+
+
+# (rnd, server state, participants) -> the round's Aggregation: `Algorithm.start_aggregation`, or
+# a policy the round loop is given from outside the algorithm (client-level DP's noised mean).
+StartAggregation = Callable[[int, Any, list[int]], Aggregation]
 
 
 class CollectReplies:
@@ -108,44 +114,28 @@ class MeanOfUploads:
     """Mixin (before `Algorithm` in the bases) for a server whose state is {averaged: the n_i-weighted
     mean of the participants' uploaded "params"}, each reply carrying "params" and "weight" = n_i.
 
-    A method states only WHICH server key holds the mean (`averaged`); it must not override
-    `aggregate` or `start_aggregation` to keep the mean. A subclass that overrides `aggregate`
-    aggregates otherwise: `start_aggregation` then collects the replies for it (batch), and
-    client-level DP is refused for it (`pfedkit.privacy.setup`)."""
+    A method states only WHICH server key holds the mean (`averaged`). A subclass that overrides
+    `aggregate` or `start_aggregation` is refused when it is defined, so `isinstance(algorithm,
+    MeanOfUploads)` means exactly "its server state is that mean": what client-level DP replaces
+    (`pfedkit.privacy`). A method that aggregates otherwise subclasses `Algorithm` and writes its own."""
     averaged: ClassVar[str] = "params"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in ("aggregate", "start_aggregation"):
+            if getattr(cls, hook) is not getattr(MeanOfUploads, hook):  # resolved through the whole MRO
+                raise TypeError(f"{cls.__qualname__} overrides {hook}, but a MeanOfUploads method's server state is "
+                                "the n_i-weighted mean of its uploads, declared by the mixin alone (client-level DP "
+                                "replaces exactly that mean); subclass Algorithm to aggregate otherwise")
 
     def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
         """The batch form: the mean of the replies; no replies keep the server state."""
         return {self.averaged: fedavg_aggregate(replies)} if replies else server
 
     def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
-        """The streamed form of `aggregate` (a running sum, bit for bit the batch result)."""
-        return params_mean_aggregation(self, rnd, server, cids)
-
-
-def averages_uploads(cls: type) -> bool:
-    """Whether `cls` aggregates by `MeanOfUploads`'s mean, both entry points as declared there."""
-    return (issubclass(cls, MeanOfUploads) and cls.aggregate is MeanOfUploads.aggregate
-            and cls.start_aggregation is MeanOfUploads.start_aggregation)
-
-
-def params_mean_aggregation(algorithm: MeanOfUploads, rnd: int, server: Any, cids: list[int]) -> Aggregation:
-    """The streamed form of `MeanOfUploads.aggregate` (the n_i-weighted mean of the replies'
-    "params" into `server[algorithm.averaged]`); a subclass that aggregates otherwise gets the batch
-    default. With client-level DP on (`algorithm.client_dp`), the clipped, uniform, noised mean
-    instead (`pfedkit.privacy.client_dp.ClientDPMean`, through the settings' `mean_aggregation`)."""
-    server_key = algorithm.averaged
-    if type(algorithm).aggregate is not MeanOfUploads.aggregate:
-        if getattr(algorithm, "client_dp", None) is not None:  # `privacy.setup` refuses this at start
-            raise RuntimeError(f"client-level DP: {algorithm.name} does not aggregate by the mean of updates")
-        return CollectReplies(partial(algorithm.aggregate, rnd, server))
-    if getattr(algorithm, "client_dp", None) is not None:
-        # Client-level DP (docs/privacy.md): the ONE place where updates are clipped and noised;
-        # every algorithm aggregating through here gets it. The reference is the broadcast model.
-        # `client_dp` is `pfedkit.privacy.client_dp.ClientDP`, attached by `privacy.setup`.
-        reference = server[server_key] if server is not None else None
-        return algorithm.client_dp.mean_aggregation("params", cids, reference, lambda mean: {server_key: mean},
-                                                    server, rnd, algorithm.record)
-    counts = algorithm.setup.train_counts  # n_i: the participants' training-set sizes
-    return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},
-                              lambda mean: {server_key: mean}, server)
+        """The streamed form of `aggregate`: the n_i-weighted mean of the replies' "params" into
+        `server[averaged]`, a running sum, bit for bit the batch result."""
+        counts = self.setup.train_counts  # n_i: the participants' training-set sizes
+        key = self.averaged
+        return SampleWeightedMean("params", {cid: float(counts[cid].sum()) for cid in cids},
+                                  lambda mean: {key: mean}, server)

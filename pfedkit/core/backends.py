@@ -1,5 +1,5 @@
 """The names of the backends (config `backend`): the one list the config, the command line and
-`pfedkit.build.RUNTIMES` (name -> runtime factory) share.
+`pfedkit.build.RUNTIMES` (name -> the runtime's row: factory, default threads) share.
 
 The runtimes themselves live high up (engine/runtimes/) and the config low down, so the names
 are kept here, on the ground floor, where both and the command line (which must start without

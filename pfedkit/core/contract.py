@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, get_args
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from pfedkit.core.aggregation import Aggregation, CollectReplies
+from pfedkit.core.model_ops import ModelOps
 from pfedkit.core.params import Params
 
 Message = dict[str, Any]
@@ -161,8 +162,19 @@ class StepTools(Protocol):
 LocalStep = Callable[[StepTools, list[Batch]], float]
 
 
-class NoHyper(BaseModel):
-    """An algorithm without hyperparameters of its own."""
+# How the model a client is evaluated with is assembled (`Algorithm.evaluated_model`):
+#   "global": the server's n_i-weighted mean of the round's trained models (FedAvg, FedProx, MOON);
+#   "own": the model the client's own latest training returned (Local, DA-PFL, FedAMP, FeSEM);
+#   "shared_body": the mean of the trained bodies + the client's own trained head (FedPer, FedRep);
+#   "shared_head": the mean of the trained heads + the client's own trained body (LG-FedAvg);
+#   "custom": anything else (a mixture, adaptation, a custom prediction): the method's own rule.
+EvaluatedModel = Literal["global", "own", "shared_body", "shared_head", "custom"]
+EVALUATED_MODELS: tuple[str, ...] = get_args(EvaluatedModel)
+
+
+class HyperParams(BaseModel):
+    """The base of every method's `Hyper` (its config section): a key the method does not declare
+    is refused (with "did you mean"). A method without options of its own keeps this one."""
     model_config = ConfigDict(extra="forbid")
 
 
@@ -203,24 +215,43 @@ class Setup:
     train_counts: np.ndarray  # [N, C] training samples per client and class
     seed: int
     local_epochs: int
-    ops: Any  # pfedkit.engine.model_ops.ModelOps: functional forward for server-side math
+    ops: ModelOps  # functional forward of the run's model, for server-side math
     # Heterogeneous models (config `client_model_options`): client cid's ModelOps; None: all use `ops`.
-    client_ops: tuple[Any, ...] | None = None
+    client_ops: tuple[ModelOps, ...] | None = None
     rounds: int = 0  # the run's number of rounds (FedPFA switches phase half way); 0: unknown
 
-    def ops_for(self, cid: int) -> Any:
+    def ops_for(self, cid: int) -> ModelOps:
         """The ModelOps of client `cid`'s architecture (`ops`, the default one, unless models differ)."""
         return self.ops if self.client_ops is None else self.client_ops[cid]
 
 
 class Algorithm:
-    """Base class: subclasses set `name`, optionally `Hyper`, `head` and override the hooks."""
+    """One federated method: server math + client math over explicit state (module docstring).
+
+    What every method writes (the worked examples: algorithms/fedavg.py, a mean of uploads, and
+    algorithms/fedrep.py, a shared body with a private head trained first):
+      - `name` (its config value `algorithm=`), `description` (one line for `pfedkit list`) and,
+        when it has options, `Hyper` (a `HyperParams`: its config section `NAME:`);
+      - `init_server`, `init_client`: the server's and a client's state from the initial weights;
+      - `broadcast`: what each participant downloads;
+      - `client_update`: a generator that yields `Fit` requests and returns (new state, reply);
+      - `aggregate`: the new server state from the round's replies (or the `MeanOfUploads` mixin
+        with `averaged = "KEY"` for the n_i-weighted mean of the uploads);
+      - `client_model`: the parameters a client predicts with (what evaluation measures).
+    Everything below those is optional, grouped by concept: evaluation (a custom prediction, the
+    model right after training, evaluation-time adaptation), the setup exchange (an upload before
+    the broadcast), clients that never trained, a streamed aggregation, checks of the options
+    against the model and data, the engine hints and what tests and tools read (class attributes).
+    """
+    # --- what every method declares ---------------------------------------------------------------
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    Hyper: ClassVar[type[HyperParams]] = HyperParams
+
+    # --- engine hints (optional) -------------------------------------------------------------------
     head: ClassVar[str] = "last"  # which layers form the head: "last" Linear or all "fc" layers
     # other head splits the algorithm's math works with (config `head_split`); None: `head` only
     head_splits: ClassVar[tuple[str, ...] | None] = None
-    Hyper: ClassVar[type[BaseModel]] = NoHyper
     # True when clients may use different architectures (config `client_model_options`): the
     # algorithm never averages or mixes parameters across clients and uses `setup.ops_for(cid)`.
     supports_heterogeneous_models: ClassVar[bool] = False
@@ -235,24 +266,59 @@ class Algorithm:
     # Fits and evaluations keep the run's count); a fixed count, so the numbers do not depend on
     # the backend either. None (the default): the run's count (`threads`).
     small_op_threads: ClassVar[int | None] = None
-    # Client-level DP settings (`pfedkit.privacy.client_dp.ClientDP`), set on the instance by
-    # `pfedkit.privacy.setup.attach_client_dp` for algorithms that aggregate through
-    # `params_mean_aggregation`; None: no DP.
-    client_dp: Any = None
 
-    def __init__(self, hyper: BaseModel, setup: Setup) -> None:
-        self.h = hyper
+    # --- what tests and tools read (declared; the engine never reads them) -------------------------
+    # Which standard assembly gives the model a client is evaluated with (its docs page's "Evaluated
+    # model"): one of EVALUATED_MODELS. tests/test_evaluated_model.py rebuilds that model from what
+    # the engine saw, independently of the algorithm, and checks the run evaluated it; "custom" means
+    # the test holds a rule of the method's own under its name. None: undeclared (that test fails
+    # and says to declare it). A subclass inherits its parent's: declare it again where
+    # `client_model` (or `predict`, `adapt`) assembles another model.
+    evaluated_model: ClassVar[EvaluatedModel | None] = None
+    # Options (fields of `Hyper`) that keep the generic tests' short runs on the embedded digits set
+    # fast without leaving out a code path (fewer head epochs, a shorter server loop): e.g. FedRep's
+    # {"head_epochs": 1}. The generic tests (every backend, evaluated model, resume, new clients,
+    # DP, figures: tests/conftest.py `quick_options`) run the method with them; {}: its defaults.
+    quick_test_options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, hyper: HyperParams, setup: Setup) -> None:
+        self.hyper = hyper  # the validated options (`Hyper`)
         self.setup = setup
         self.diagnostics: dict[str, dict[int, Any]] = {}  # replaced by the engine's checkpointed dict
 
-    def record(self, rnd: int, key: str, value: Any) -> None:
-        """Keep what the algorithm decided this round (a matrix, a selection...) for reports.
+    # --- the hooks every method writes -------------------------------------------------------
 
-        Stored in the run directory's diagnostics.pt as {key: {round: value}} and checkpointed,
-        so a resumed run keeps them. Use numpy arrays or plain Python values. Algorithms only
-        record; `pfedkit report` draws them (pfedkit/report/methods/<algorithm module>.py).
-        """
-        self.diagnostics.setdefault(key, {})[rnd] = value
+    def init_server(self, params: Params) -> Any:
+        """The server's state before round 1 from the initial weights `params` (FedAvg: the
+        model; Local: None). Checkpointed as is: keep it to tensors, numbers and dicts/lists."""
+        return None
+
+    def init_client(self, cid: int, params: Params) -> Any:
+        """Client `cid`'s state before its first round from its initial weights (None: it keeps
+        nothing between rounds, as FedAvg's clients)."""
+        return None
+
+    def broadcast(self, rnd: int, server: Any, cids: list[int]) -> dict[int, Message]:
+        """What each participant downloads. A method whose server decisions depend on the round's
+        participants (FeSEM's E/M step) may update the server state (a dict) in place here: the
+        engine checkpoints the server state after the round."""
+        return {cid: {} for cid in cids}
+
+    def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
+        """Client `cid`'s round: `params = yield Fit(...)` for each local training (the engine
+        answers with the trained parameters), then `return new_client_state, reply` (a dict of
+        tensors and numbers: what it uploads, counted in bytes)."""
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
+        """The new server state from the round's replies ({cid: reply}, in client order)."""
+        return server
+
+    def client_model(self, cid: int, server: Any, client: Any) -> Params:
+        """The parameters client `cid` would predict with now (what evaluation measures)."""
+        raise NotImplementedError
+
+    # --- evaluation (optional) ---------------------------------------------------------------
 
     def predict(self, cid: int, server: Any, client: Any, features: torch.Tensor) -> torch.Tensor | None:
         """Logits from body features when the client does NOT predict with the model's own head
@@ -261,10 +327,6 @@ class Algorithm:
 
     def has_custom_predict(self) -> bool:
         return type(self).predict is not Algorithm.predict
-
-    def has_client_report(self) -> bool:
-        """Whether clients ever send a `client_report` (a Flower server skips asking otherwise)."""
-        return type(self).client_report is not Algorithm.client_report
 
     def trained_model(self, cid: int, client: Any, params: Params) -> Params:
         """What a participant predicts with right after its local training (config
@@ -284,15 +346,7 @@ class Algorithm:
     def has_adaptation(self) -> bool:
         return type(self).adapt is not Algorithm.adapt
 
-    def check(self) -> None:
-        """Raise `pfedkit.config.ConfigError` when an option does not fit the run's model or data
-        (one line: the option, the limit, the fix). Called once before the run directory exists."""
-
-    def init_server(self, params: Params) -> Any:
-        return None
-
-    def init_client(self, cid: int, params: Params) -> Any:
-        return None
+    # --- the setup exchange: an upload before the broadcast (optional) -----------------------
 
     def client_report(self, rnd: int, cid: int, client: Any, data: "ClientData") -> Message | None:
         """What client `cid` uploads BEFORE the round's broadcast (None: nothing, the default).
@@ -302,37 +356,17 @@ class Algorithm:
         state is not changed here. Bytes are counted as the client's upload of that round."""
         return None
 
+    def has_client_report(self) -> bool:
+        """Whether clients ever send a `client_report` (a Flower server skips asking otherwise)."""
+        return type(self).client_report is not Algorithm.client_report
+
     def collect(self, rnd: int, server: Any, reports: dict[int, Message]) -> Any:
         """The server receives the round's `client_report` messages (called only when some client
         reported); returns the new server state. Anything kept only for this round should be
         dropped again in `aggregate`, so checkpoints and memory do not grow with it."""
         return server
 
-    def broadcast(self, rnd: int, server: Any, cids: list[int]) -> dict[int, Message]:
-        """What each participant downloads. A method whose server decisions depend on the round's
-        participants (FeSEM's E/M step) may update the server state (a dict) in place here: the
-        engine checkpoints the server state after the round."""
-        return {cid: {} for cid in cids}
-
-    def client_update(self, rnd: int, cid: int, client: Any, message: Message, data: ClientData) -> ClientUpdate:
-        raise NotImplementedError
-
-    def aggregate(self, rnd: int, server: Any, replies: dict[int, Message]) -> Any:
-        return server
-
-    def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
-        """How the server receives round `rnd`'s replies from the participants `cids`: an object
-        fed each reply as it comes (`add`) that returns the new server state (`finish`). Default:
-        keep them all and call `aggregate`. A method whose aggregate is a running sum returns one
-        that folds each reply and drops it (`pfedkit.core.aggregation`), so the server's
-        memory does not grow with the number of participants."""
-        return CollectReplies(partial(self.aggregate, rnd, server))
-
-    def client_model(self, cid: int, server: Any, client: Any) -> Params:
-        """The parameters client `cid` would predict with now (what evaluation measures)."""
-        raise NotImplementedError
-
-    # --- clients that never trained (config `new_clients`) -------------------------------------
+    # --- clients that never trained (config `new_clients`, optional) -------------------------
 
     def new_client_refusal(self) -> str | None:
         """Why this algorithm cannot give a model to a client that never trained (config
@@ -354,6 +388,29 @@ class Algorithm:
         `client_model` reads a personal model that a newcomer does not have returns the server's
         model instead (Ditto, APFL) or refuses (`new_client_refusal`)."""
         return self.client_model(cid, server, client)
+
+    # --- a streamed aggregation, checks, diagnostics (optional) ------------------------------
+
+    def start_aggregation(self, rnd: int, server: Any, cids: list[int]) -> Aggregation:
+        """How the server receives round `rnd`'s replies from the participants `cids`: an object
+        fed each reply as it comes (`add`) that returns the new server state (`finish`). Default:
+        keep them all and call `aggregate`. A method whose aggregate is a running sum returns one
+        that folds each reply and drops it (`pfedkit.core.aggregation`), so the server's
+        memory does not grow with the number of participants."""
+        return CollectReplies(partial(self.aggregate, rnd, server))
+
+    def check(self) -> None:
+        """Raise `pfedkit.config.ConfigError` when an option does not fit the run's model or data
+        (one line: the option, the limit, the fix). Called once before the run directory exists."""
+
+    def record(self, rnd: int, key: str, value: Any) -> None:
+        """Keep what the algorithm decided this round (a matrix, a selection...) for reports.
+
+        Stored in the run directory's diagnostics.pt as {key: {round: value}} and checkpointed,
+        so a resumed run keeps them. Use numpy arrays or plain Python values. Algorithms only
+        record; `pfedkit report` draws them (pfedkit/report/methods/<algorithm module>.py).
+        """
+        self.diagnostics.setdefault(key, {})[rnd] = value
 
 
 def message_bytes(message: Any) -> int:

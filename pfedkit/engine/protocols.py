@@ -1,5 +1,5 @@
 """The two interfaces of the round loop, as `typing.Protocol`s: what `Simulation` and
-`LocalClients` (engine/simulate.py) call, and nothing more.
+`LocalClients` (engine/simulate.py, engine/local_clients.py) call, and nothing more.
 
 - `Runtime`: who answers a round's Fit requests and evaluates clients (engine/runtimes/:
   sequential, processes, vectorized, ray). The round loop never knows which one runs.
@@ -36,12 +36,9 @@ class Runtime(Protocol):
     """Answers Fit requests (`FitJob`s) and evaluations; every job carries its own seeds, so the
     results do not depend on which runtime answers or in which order.
 
-    `threads`: the thread count the run computes with (None: this process's torch count); the
-    round loop runs the algorithm's hooks with it too. `device`: where clients train.
-    A runtime may change the thread count inside its calls but restores it before it returns or
-    yields."""
-    threads: int | None
-    device: torch.device
+    It computes with the thread count it was built with (`pfedkit.build.run_threads`, which the
+    round loop is given too); it may change the count inside its calls but restores it before it
+    returns or yields."""
 
     def fit_stream(self, jobs: list[FitJob]) -> Iterator[tuple[int, FitOutcome]]:
         """(cid, outcome) in any order, as they are done; empties `jobs` as it hands them out, so
@@ -56,6 +53,10 @@ class Runtime(Protocol):
         """Each item's model on its client's test split."""
         ...
 
+    def describe_devices(self) -> str:
+        """Where its clients train, in words (`engine.device.describe_device`): the summary's `device`."""
+        ...
+
     def close(self) -> None:
         """Release workers, actors, device memory; called once when the run ends."""
         ...
@@ -64,8 +65,7 @@ class Runtime(Protocol):
 @runtime_checkable
 class Clients(Protocol):
     """The clients' side of the round loop; their states live in the `SimState` (in this process)
-    or on the nodes. `threads`: the count the clients compute with, which the server side uses too."""
-    threads: int | None
+    or on the nodes."""
 
     def start(self, state: SimState, params: list, buffers: list, keep_optimizer_state: bool) -> None:
         """Every client's initial state from its initial weights (or nothing, where nodes make their own)."""
@@ -83,6 +83,10 @@ class Clients(Protocol):
     def evaluate(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                  ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         """{cid: ClientEval} and {cid: output-layer row norms} of each of `cids`' evaluated model."""
+        ...
+
+    def describe_devices(self) -> str:
+        """Where the clients trained, in words: the summary's `device` (Flower nodes choose their own)."""
         ...
 
 

@@ -22,6 +22,10 @@ Protocol (the same for every algorithm, so a table compares methods tuned with t
   not counted) continues with the very trial it lost.
 * `--trials N` means N finished (complete or pruned) trials in total, earlier runs included.
 A trial whose training diverges is recorded as pruned (it is a finished, informative trial).
+
+Search spaces: `lr` for every algorithm (COMMON_SPACE) plus the ranges each algorithm declares on
+its own options (`pfedkit.core.search`), so a new method brings its space in its own file;
+`--space FILE` replaces all of them (docs/tuning.md).
 """
 from __future__ import annotations
 
@@ -33,7 +37,6 @@ import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -43,20 +46,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pfedkit.atomic import atomic_write_json, atomic_write_text
-from pfedkit.config import Config, deep_merge, load_config, parse_yaml, read_yaml_file
+from pfedkit.config import Config, deep_merge, load_config, read_yaml_file
 from pfedkit.core.errors import ConfigError, ConfigWarning
+from pfedkit.core.search import declared_ranges
 from pfedkit.run_identity import changed_keys, describe_changes, flatten, identity
 
-SPACES_FILE = "tuning_spaces.yaml"
 COMMON = "common"
+SHIPPED = "the shipped search spaces (COMMON_SPACE and the ranges declared on the algorithms' options)"
 DEFAULT_VALIDATION_FRACTION = 0.2
 STUDY_DB, STATE, TRIALS_CSV, BEST, BEST_CONFIG, LOCK = (
     "study.db", "tuning.json", "trials.csv", "best.yaml", "best_config.yaml", ".lock")
 PRUNER_STARTUP_TRIALS = 5  # no pruning before this many trials finished: the median needs a few
+# What every algorithm is tuned on; an algorithm's own options declare their ranges themselves
+# (`pfedkit.core.search`, on the fields of its Hyper).
+COMMON_SPACE: dict[str, dict[str, Any]] = {"lr": {"type": "float", "low": 0.003, "high": 0.3, "log": True}}
 
 
 class ParamSpec(BaseModel):
-    """One searched parameter (see tuning_spaces.yaml for the format)."""
+    """One searched parameter: the format of a --space file's entries and of `pfedkit.core.search`'s
+    ranges (docs/tuning.md, "Search spaces")."""
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["float", "int", "categorical"]
@@ -103,18 +111,39 @@ Space = dict[str, ParamSpec]
 
 
 def read_spaces(path: str | Path | None = None) -> dict[str, Space]:
-    """The search spaces by section (`common` and algorithm names): the shipped file, or `path`
-    instead. ConfigError (one line) for anything malformed."""
+    """The search spaces by section (`common` and algorithm names): the shipped ones
+    (`shipped_spaces`), or the YAML file `path` instead of all of them. ConfigError (one line) for
+    anything malformed."""
+    if path is None:
+        return shipped_spaces()
+    if not Path(path).is_file():
+        raise ConfigError(f"--space {path}: no such file; expected a YAML search-space file (docs/tuning.md, "
+                          "'Search spaces')")
+    where = f"--space {path}"
+    return parse_spaces(read_yaml_file(Path(path), where) or {}, where)
+
+
+def shipped_spaces() -> dict[str, Space]:
+    """The shipped search spaces: `common` (COMMON_SPACE) and, for each algorithm, the ranges
+    declared on its options (`pfedkit.core.search`). An algorithm without options gets an empty
+    section (nothing of its own to tune); one whose options declare no range gets none, so
+    `space_for` says that only the common parameters are tuned."""
+    from pfedkit.algorithms import algorithm_names, get_algorithm
+
+    data: dict[str, Any] = {COMMON: COMMON_SPACE}
+    for name in algorithm_names():
+        hyper = get_algorithm(name).Hyper
+        ranges = declared_ranges(hyper)
+        if ranges or not hyper.model_fields:
+            data[name] = {f"{name}.{option}": spec for option, spec in ranges.items()}
+    return parse_spaces(data, SHIPPED)
+
+
+def parse_spaces(data: Any, where: str) -> dict[str, Space]:
+    """Sections of parameter specs (`common`, algorithm names) checked and parsed; ConfigError
+    (one line, starting with `where`) for anything malformed."""
     from pfedkit.algorithms import algorithm_names
 
-    where = f"--space {path}" if path is not None else f"shipped {SPACES_FILE}"
-    if path is None:
-        data = parse_yaml(resources.files("pfedkit.experiments").joinpath(SPACES_FILE).read_text()) or {}
-    else:
-        if not Path(path).is_file():
-            raise ConfigError(f"--space {path}: no such file; expected a YAML search-space file like pfedkit's "
-                              f"{SPACES_FILE} (see docs/tuning.md)")
-        data = read_yaml_file(Path(path), where) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of sections ({COMMON}, or an algorithm name) at the top level")
     names = algorithm_names()
@@ -323,7 +352,7 @@ def tuning_base(config: Config, space_file: str | Path | None, log: Callable[[st
     """(the trials' base config: `config` on a validation split, the algorithm's search space),
     the space checked against the base config; a note on the space (e.g. only the common part
     applies) goes to `log`."""
-    where = f"--space {space_file}" if space_file is not None else SPACES_FILE
+    where = f"--space {space_file}" if space_file is not None else SHIPPED
     space, note = space_for(read_spaces(space_file), config.algorithm)
     fraction = config.validation_fraction or DEFAULT_VALIDATION_FRACTION
     base = trial_config(config, {}, validation_fraction=fraction)
@@ -364,7 +393,7 @@ def run_next_trial(study, base: Config, space: Space, finished: int) -> tuple[An
     import optuna
     from optuna.trial import TrialState
 
-    from pfedkit.engine.simulate import TrainingDiverged
+    from pfedkit.engine.drive import TrainingDiverged
 
     study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(base.seed, finished))
     trial = study.ask()

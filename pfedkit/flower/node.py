@@ -31,7 +31,7 @@ from pfedkit.data.federated import client_data, split_indices
 from pfedkit.data.partition import class_counts
 from pfedkit.engine.device import describe_device, resolve_device
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
-from pfedkit.engine.simulate import LocalClients
+from pfedkit.engine.local_clients import LocalClients
 from pfedkit.engine.state import SimState
 from pfedkit.federation import config_dataset, split_plan
 from pfedkit.flower.records import put, take
@@ -50,15 +50,13 @@ class NodeClient:
     config: Config
     clients: LocalClients
     initial: dict[str, Any]  # the client's starting state, buffers and optimizer state
+    threads: int  # what it computes with (`build.run_threads`): its trainer and every hook alike
     device: torch.device = torch.device("cpu")  # where this node trains and evaluates
     device_name: str = "cpu"  # `describe_device(device)`: what the node reports
 
-    def threads(self) -> int:
-        return self.config.threads or 1
-
 
 def build_node(config: Config, cid: int) -> NodeClient:
-    from pfedkit.build import build_algorithm, train_settings, uses_channels_last
+    from pfedkit.build import build_algorithm, run_threads, train_settings, uses_channels_last
 
     device = resolve_device(config.device, "sequential")  # this machine's: a node is one sequential trainer
     dataset = config_dataset(config)
@@ -70,7 +68,8 @@ def build_node(config: Config, cid: int) -> NodeClient:
     own = {cid: client_data(dataset, cid, train_index[cid], test_index[cid], counts[cid], channels_last)}
     algorithm, archs = build_algorithm(config, dataset.input_shape, dataset.num_classes, counts)
     node_data = _NodeData(dataset.num_classes, own)
-    runtime = SequentialRuntime(archs.build, train_settings(config), node_data, threads=config.threads or 1,
+    threads = run_threads(config, side_by_side=True)  # nodes share machines like a backend's workers
+    runtime = SequentialRuntime(archs.build, train_settings(config), node_data, threads=threads,
                                 builds=archs.builds, model_keys=archs.model_keys, device=device)
     ops = algorithm.setup.ops_for(cid)
     params = ops.initial_params()
@@ -79,7 +78,7 @@ def build_node(config: Config, cid: int) -> NodeClient:
     name = describe_device(device)
     log.info("client %d trains on %s", cid, name)
     return NodeClient(cid, config, LocalClients(algorithm, own, runtime, dataset.num_classes, config.eval_point),
-                      initial, device, name)
+                      initial, threads, device, name)
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def handle(msg: Message, context: Context) -> Message:
     node = node_for(str(header["config"]), cid, context.node_config.get("data-dir"))
     stored = take(context.state, STATE) or dict(node.initial)
     payload = take(msg.content, PAYLOAD)
-    with compute_threads(node.threads()):
+    with compute_threads(node.threads):
         answer = OPERATIONS[op](node, rnd, stored, payload)
     put(context.state, STATE, stored)
     return _reply(msg, answer)

@@ -52,7 +52,6 @@ class FlowerClients:
         self.grid, self.config, self.asks_reports = grid, config, asks_reports
         self.config_text = json.dumps(config.to_dict(), sort_keys=True)
         self.timeout = config.flower.round_timeout
-        self.threads = config.threads or 1  # the nodes' (node.py): the server's hooks compute with it too
         self.nodes = self.identify(config.num_clients, config.flower.connect_timeout)
         self.devices: dict[int, str] = {}  # client id -> the device its node reported (`describe_device`)
 
@@ -158,7 +157,9 @@ def serve(grid: Grid, config: Config, quiet: bool = True):
     data = build_federated(split_plan(config), dataset, build.uses_channels_last(config, dataset.input_shape))
     algorithm, _ = build.build_algorithm(config, data.input_shape, data.num_classes, data.train_counts())
     clients = FlowerClients(grid, config, asks_reports=algorithm.has_client_report())
-    simulation = build.simulation_for(config, algorithm, data, None, clients)
+    # The nodes' count (node.py decides it alike): the server's hooks compute with it too.
+    simulation = build.simulation_for(config, algorithm, data, None, build.run_threads(config, side_by_side=True),
+                                      clients)
     ops = algorithm.setup.ops
     state = simulation.initial_state(ops.initial_params(), ops.initial_buffers())
     context = runs.Prepared(data, simulation, state, clients, resumable=False, backend="flower")

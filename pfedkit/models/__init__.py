@@ -21,6 +21,7 @@ from pfedkit.models.alexnet import AlexNet
 from pfedkit.models.base import (HEAD_CHOICES, BodyHeadModel, last_linear, layer_state_dict,
                                  load_layer_state_dict)
 from pfedkit.models.cnn import FedAvgCNN
+from pfedkit.models.cnn_bn import BatchNormCNN
 from pfedkit.models.cnn_cifar import CNNCifar, CNNCifar100
 from pfedkit.models.cnn_proto import ProtoCNN
 from pfedkit.models.fasttext import FastText
@@ -59,6 +60,8 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("mlp", MLP, "FedAvg 2NN: flatten -> 200 -> 200 -> C with ReLUs (digits, FEMNIST)"),
         ModelInfo("cnn", FedAvgCNN,
                   "PFLlib FedAvgCNN: 2 conv (32, 64, 5x5) + FC 512 + FC C (MNIST, CIFAR)"),
+        ModelInfo("cnn_bn", BatchNormCNN,
+                  "FedAvgCNN with BatchNorm after each conv and fc1 (FedBN's placement): MNIST, CIFAR"),
         ModelInfo("alexnet", AlexNet,
                   "FedReMa simplified AlexNet: 5 conv + FC 1024, 512, C (CIFAR-10)"),
         ModelInfo("resnet18", ResNet18,

@@ -27,6 +27,12 @@ the whole mean (sensitivity up to C, not C / m), and sum_j n_j itself depends on
 McMahan et al.'s bounded-weight estimator (weights min(n_i / w_hat, 1) over a fixed expected
 total) would keep some weighting; it is not implemented here: DP runs average uniformly.
 
+Where it applies: to an algorithm whose server state is that mean of uploads, i.e. an instance of
+`pfedkit.core.aggregation.MeanOfUploads` (the mixin refuses subclasses that aggregate otherwise).
+The algorithm knows nothing of DP: `ClientDPAggregation` is the round's aggregation the round loop
+is handed from outside (`Simulation(start_aggregation=...)`, wired by `pfedkit.build`) in place of
+the algorithm's own `start_aggregation`.
+
 Bit-exactness: an update inside the ball (||Delta_i|| <= C) is used as the client uploaded it
 (w_i itself, not w0 + Delta_i), the uniform shares are summed in client order like the non-private
 mean, and noise with z = 0 is not drawn; so z = 0 with a clip nothing reaches equals the
@@ -41,7 +47,7 @@ from typing import Any
 
 import torch
 
-from pfedkit.core.aggregation import SampleWeightedMean
+from pfedkit.core.aggregation import MeanOfUploads, SampleWeightedMean
 from pfedkit.core.params import Params
 from pfedkit.core.seeds import SERVER, torch_generator
 
@@ -50,18 +56,12 @@ NOISE_PURPOSE = "dp-client-noise"  # the generator tag: (seed, round, SERVER, th
 
 @dataclass(frozen=True)
 class ClientDP:
-    """The run's client-level DP settings, attached to the algorithm (`Algorithm.client_dp`)."""
+    """The run's client-level DP settings."""
     clip: float
     noise_multiplier: float
     seed: int
     # participants=poisson: q N, the fixed denominator; None: the round's m (fixed-size sampling)
     expected_participants: float | None = None
-
-    def mean_aggregation(self, key: str, cids: list[int], reference: Params | None, result: Callable[[Params], Any],
-                         empty: Any, rnd: int, record: Callable[[int, str, Any], None]) -> "ClientDPMean":
-        """The round's clipped, noised mean (what `core.aggregation.params_mean_aggregation` asks of
-        the settings it finds on the algorithm: the ground floor never imports this package)."""
-        return ClientDPMean(key, cids, reference, result, empty, self, rnd, record)
 
 
 def update_norm(params: Params, reference: Params) -> float:
@@ -140,3 +140,19 @@ class ClientDPMean:
         self.record(self.rnd, "dp_clipped_fraction",
                     sum(n > self.settings.clip for n in norms) / len(norms) if norms else math.nan)
         return self.result(mean)
+
+
+@dataclass(frozen=True)
+class ClientDPAggregation:
+    """A `StartAggregation` (`pfedkit.core.aggregation`): each round, the clipped, noised mean of the
+    uploads into the algorithm's `averaged` server key, the reference being the broadcast model
+    (server[averaged] before the round). Given to the round loop instead of the algorithm's own
+    `start_aggregation`, which computes the same key's non-private, n_i-weighted mean."""
+    settings: ClientDP
+    algorithm: MeanOfUploads
+
+    def __call__(self, rnd: int, server: Any, cids: list[int]) -> ClientDPMean:
+        key = self.algorithm.averaged
+        reference = server[key] if server is not None else None
+        return ClientDPMean("params", cids, reference, lambda mean: {key: mean}, server, self.settings, rnd,
+                            self.algorithm.record)

@@ -1,32 +1,27 @@
 """What a run with `dp` checks and wires once, before its run directory exists.
 
-Refusals are one-line ConfigErrors naming the key, the reason and what is allowed.
+Refusals are one-line ConfigErrors naming the key, the reason and what is allowed. Client level
+wires nothing into the algorithm: `client_dp_aggregation` is the round's aggregation the builder
+hands the round loop (`pfedkit.build.simulation_for`).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from pfedkit.config import Config
-from pfedkit.core.aggregation import averages_uploads
+from pfedkit.core.aggregation import MeanOfUploads, StartAggregation
 from pfedkit.core.errors import ConfigError
 from pfedkit.privacy.accounting import INSTALL_HINT, PrivacyBudget
-from pfedkit.privacy.client_dp import ClientDP
+from pfedkit.privacy.client_dp import ClientDP, ClientDPAggregation
 from pfedkit.privacy.dp_sgd import batchnorm_layers
 
 
-def aggregates_by_mean(algorithm) -> bool:
-    """Whether the server's aggregate is the weighted mean of the clients' uploads declared by
-    `core.aggregation.MeanOfUploads` (FedAvg, FedProx, FedPer/LG-FedAvg/FedRep, FedBABU, FedRoD...),
-    both entry points as the mixin defines them, so a subclass that aggregates differently answers
-    False. `algorithm`: an instance or a class."""
-    return averages_uploads(algorithm if isinstance(algorithm, type) else type(algorithm))
-
-
 def mean_algorithms() -> list[str]:
-    """The registered algorithms client-level DP applies to (for the refusal's `allowed` list)."""
+    """The registered algorithms client-level DP applies to (for the refusal's `allowed` list): the
+    `MeanOfUploads` ones, whose server state is the n_i-weighted mean of the uploads."""
     from pfedkit.algorithms import algorithm_names, get_algorithm
 
-    return [name for name in algorithm_names() if aggregates_by_mean(get_algorithm(name))]
+    return [name for name in algorithm_names() if issubclass(get_algorithm(name), MeanOfUploads)]
 
 
 def client_sampling(config: Config) -> str:
@@ -53,20 +48,27 @@ def check_accounting(config: Config) -> None:
                           f"{INSTALL_HINT}") from None
 
 
-def attach_client_dp(config: Config, algorithm) -> None:
-    """Client level: refuse an algorithm whose aggregate is not the mean of updates; else give it
-    the settings `params_mean_aggregation` reads (with Poisson sampling, the fixed denominator q N)."""
+def check_client_dp(config: Config, algorithm) -> None:
+    """The accountant `dp` needs is there; client level: refuse an algorithm whose server state is
+    not the mean of the uploads (not a `MeanOfUploads`)."""
     check_accounting(config)
-    if config.dp.level != "client":
-        return
-    if not aggregates_by_mean(algorithm):
+    if config.dp.level == "client" and not isinstance(algorithm, MeanOfUploads):
         raise ConfigError(f"dp.level=client: algorithm {algorithm.name} does not aggregate by a mean of model "
                           f"updates, so DP-FedAvg's clipping and noise do not apply; allowed with: "
                           f"{', '.join(mean_algorithms())}")
+
+
+def client_dp_aggregation(config: Config, algorithm) -> StartAggregation | None:
+    """Client level: the round's aggregation for the round loop, the clipped, noised mean over the
+    algorithm's `averaged` key (with Poisson sampling, over the fixed denominator q N); None
+    without client-level DP (the algorithm's own `start_aggregation` then)."""
+    if config.dp.level != "client":
+        return None
+    check_client_dp(config, algorithm)
     expected = None
     if client_sampling(config) == "poisson":  # McMahan et al. 2018: the expected count, not the round's
         expected = config.join_ratio * (algorithm.setup.num_clients - config.new_clients)
-    algorithm.client_dp = ClientDP(config.dp.clip, config.dp.noise_multiplier, config.seed, expected)
+    return ClientDPAggregation(ClientDP(config.dp.clip, config.dp.noise_multiplier, config.seed, expected), algorithm)
 
 
 def check_sample_dp(config: Config, model: nn.Module) -> None:

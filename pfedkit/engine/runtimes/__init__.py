@@ -7,6 +7,7 @@
     workers.py      what they share (one trainer/evaluator per architecture, a worker, job order)
 
 Each satisfies `pfedkit.engine.protocols.Runtime`; `pfedkit.build.RUNTIMES` maps a backend name to
-the function that builds it. Nothing is imported here, so `import pfedkit.engine.runtimes.X`
-loads X and what it needs only (Ray and torch.func stay unloaded unless their backend runs).
+its row (the function that builds it, and its default thread count). Nothing is imported here, so
+`import pfedkit.engine.runtimes.X` loads X and what it needs only (Ray and torch.func stay unloaded
+unless their backend runs).
 """

@@ -43,7 +43,7 @@ from torch import nn
 from pfedkit.core.contract import message_bytes
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.allocator import retain_freed_memory
-from pfedkit.engine.device import make_deterministic, worker_devices
+from pfedkit.engine.device import describe_device, make_deterministic, worker_devices
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes import transport
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
@@ -267,7 +267,7 @@ class ProcessRuntime:
     name = "processes"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 workers: int | None = None, threads: int | None = None,
+                 workers: int | None = None, threads: int = 1,
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
                  model_keys: Sequence[Hashable] | None = None, device: torch.device = torch.device("cpu"),
                  start_method: str | None = None) -> None:
@@ -287,7 +287,7 @@ class ProcessRuntime:
         self.devices = worker_devices(device, workers, torch.cuda.device_count() if device.type == "cuda" else 0,
                                       cpu_workers=default_workers())
         self.workers = len(self.devices)
-        self.threads = threads or 1  # each worker's; the round loop runs this process's work with it too
+        self.threads = threads  # each worker's; the round loop runs this process's work with it too
         if self.start_method == "spawn":
             self.channels = PipeChannels()
             context = mp.get_context("spawn")
@@ -351,6 +351,9 @@ class ProcessRuntime:
         finally:
             if not finished:
                 channels.abandoned = self.broken = True
+
+    def describe_devices(self) -> str:
+        return describe_device(self.device)
 
     def close(self) -> None:
         if self.broken:

@@ -29,6 +29,7 @@ from torch import nn
 
 from pfedkit.core.errors import ConfigError
 from pfedkit.data.federated import FederatedData
+from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.processes import DeviceWorker, default_workers
 from pfedkit.engine.runtimes.workers import (ByArchitecture, ClientWorker, ModelEvaluator, dispatch_order, handed_out,
@@ -86,7 +87,7 @@ class RayRuntime:
     name = "ray"
 
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
-                 workers: int | None = None, threads: int | None = None,
+                 workers: int | None = None, threads: int = 1,
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
                  model_keys: Sequence[Hashable] | None = None, address: str | None = None,
                  device: torch.device = torch.device("cpu"), gpus_per_worker: float | None = None) -> None:
@@ -105,7 +106,7 @@ class RayRuntime:
             self.close_ray()
             raise
         shared = ray.put(data)  # once per run: every actor reads the same copy
-        self.threads = threads or 1  # each actor's; the round loop runs this process's work with it too
+        self.threads = threads  # each actor's; the round loop runs this process's work with it too
         if options["num_gpus"]:  # Ray makes the actor's GPU its cuda:0
             actor = ray.remote(**options)(DeviceWorker)
             args = (build, settings, shared, self.threads, builds, model_keys, torch.device("cuda", 0))
@@ -127,6 +128,9 @@ class RayRuntime:
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         return split_custom_predict(items, self.local_evaluator, self.data, lambda remote: dict(
             self.pool.map_unordered(lambda worker, item: worker.evaluate.remote(item), remote)))
+
+    def describe_devices(self) -> str:
+        return describe_device(self.device)
 
     def close(self) -> None:
         for actor in self.actors:

@@ -19,7 +19,7 @@ from torch import nn
 
 from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.device import DeviceData
+from pfedkit.engine.device import DeviceData, describe_device
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.workers import ByArchitecture, ModelEvaluator, handed_out
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
@@ -67,6 +67,9 @@ class SequentialRuntime:
                 x, y = self.device_data.get(cid, "test", client.x_test, client.y_test)
                 out[cid] = self.device_evaluators(cid).evaluate(params, buffers, x, y)
         return out
+
+    def describe_devices(self) -> str:
+        return describe_device(self.device)
 
     def close(self) -> None:
         self.device_data.clear()

@@ -432,6 +432,9 @@ class VectorizedRuntime:
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         return self.sequential.evaluate_many(items)  # with the same threads and device
 
+    def describe_devices(self) -> str:
+        return describe_device(self.device)
+
     def close(self) -> None:
         self.sequential.close()
         self._pool = None

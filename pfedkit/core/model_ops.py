@@ -1,7 +1,8 @@
 """Functional use of the run's model: forward any parameter dict without owning a module.
 
 Server-side math (FedReMa's probe, cwFedAvg's head norms, feature statistics) and evaluation call
-these with plain `Params`; the template module is never trained.
+these with plain `Params`; the template module is never trained. It is on the ground floor because
+algorithms receive it (`Setup.ops`, `Setup.ops_for(cid)`) and build.py makes it: both stand on core/.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pfedkit.core.params import Params, clone, unprefixed
 
 
 class ModelOps:
+    """One architecture's functional forward: `build` makes the model (body + head), `template` is
+    one eval-mode instance whose parameters are replaced by the caller's at each call."""
+
     def __init__(self, build: Callable[[], nn.Module]) -> None:
         self.build = build
         self.template = build().eval()
