@@ -1,0 +1,171 @@
+"""Conformance: a pfedkit method beside PFLlib's, on the same clients (README.md beside this file).
+
+    python benchmarks/conformance/conformance.py export --split mnist_fedrema --seed 0 --out DIR
+    python benchmarks/conformance/conformance.py run --pfllib CHECKOUT --scratch SCRATCH \\
+        --split mnist_fedrema --method FedAvg --seeds 0 1 [--rounds R] [--side both|pfedkit|PFLlib]
+    python benchmarks/conformance/conformance.py curves --scratch SCRATCH --split mnist_fedrema \\
+        --method FedAvg --seeds 0 1 --out docs/results/conformance/mnist_fedrema/FedAvg.csv
+    python benchmarks/conformance/conformance.py row docs/results/conformance/mnist_fedrema/FedAvg.csv [--rounds R]
+    python benchmarks/conformance/conformance.py mapping [--method FedAvg]
+
+CHECKOUT is a PFLlib tree the user fetched (its system/ folder); nothing is written into it. SCRATCH
+(outside the repository) receives the exports, the stubs, PFLlib's working folders, the logs and
+pfedkit's run directories. Run from the repository root (the splits' data_dir is ../shared/datasets).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from curves import TABLE_HEADER, compare, curve_frame, markdown_row, paired_last10, pfedkit_curve  # noqa: E402
+from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
+from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
+from pfllib_run import curve_from_log, run_pfllib  # noqa: E402
+
+
+def dataset_name(split: Split, seed: int) -> str:
+    """PFLlib's -data name of a split's export for a seed (starts with the name its model choice reads)."""
+    return f"{split.pfllib_dataset}_pfedkit_{split.name}_s{seed}"
+
+
+def export_split(split: Split, seed: int, out: Path) -> Path:
+    """pfedkit's partition of `split` under `seed`, in PFLlib's format at `out` (kept if complete)."""
+    if (out / MANIFEST).is_file():
+        return out
+    from pfedkit.federation import resolve_partition
+
+    config, dataset, train_index, test_index = resolve_partition([str(split.config), f"seed={seed}"])
+    return export_to_pfllib(out, dataset, train_index, test_index, config.to_dict())
+
+
+def pfllib_log(scratch: Path, split: Split, method: Method, seed: int) -> Path:
+    return scratch / "logs" / split.name / f"PFLlib-{method.label}-s{seed}.log"
+
+
+def pfedkit_run_dir(scratch: Path, split: Split, method: Method, seed: int) -> Path:
+    return scratch / "pfedkit-runs" / split.name / f"{method.label}-s{seed}"
+
+
+def run_pfllib_side(checkout: Path, scratch: Path, split: Split, method: Method, seed: int, rounds: int) -> int:
+    name = dataset_name(split, seed)
+    export_split(split, seed, scratch / "run" / "dataset" / name)
+    arguments = pfllib_arguments(method, split, name, rounds, tag=f"{method.label}-s{seed}")
+    return run_pfllib(checkout, scratch, seed, arguments, pfllib_log(scratch, split, method, seed))
+
+
+def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rounds: int) -> int:
+    run_dir = pfedkit_run_dir(scratch, split, method, seed)
+    overrides = pfedkit_overrides(method, split, seed, rounds)
+    overrides += [f"out_dir={run_dir.parent}", f"name={run_dir.name}"]
+    command = [sys.executable, "-m", "pfedkit.cli", "run", str(split.config), *overrides]
+    log = scratch / "logs" / split.name / f"pfedkit-{method.label}-s{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        out.write("# " + " ".join(command[2:]) + "\n")
+        out.flush()
+        return subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int]) -> pd.DataFrame:
+    frames = []
+    for seed in seeds:
+        run_dir = pfedkit_run_dir(scratch, split, method, seed)
+        if (run_dir / "metrics.csv").is_file():
+            frames.append(curve_frame("pfedkit", seed, pfedkit_curve(run_dir)))
+        log = pfllib_log(scratch, split, method, seed)
+        if log.is_file():
+            frames.append(curve_frame("PFLlib", seed, curve_from_log(log.read_text(), method.pfllib_evaluation)))
+    return pd.concat(frames, ignore_index=True)
+
+
+def mapping_text(method: Method | None) -> str:
+    lines = ["shared protocol (pfedkit key = value | PFLlib flag value | note):"]
+    lines += [f"  {s.pfedkit_key} = {s.pfedkit_value} | {s.pfllib_flag or '-'} {s.pfllib_value} | {s.note}"
+              for s in PROTOCOL]
+    for m in [method] if method else METHODS.values():
+        options = " ".join(f"{k}={v}" for k, v in m.pfedkit_options.items())
+        flags = " ".join(f"{k} {v}" for k, v in m.pfllib_flags.items())
+        lines.append(f"{m.label}: pfedkit algorithm={m.pfedkit} {options} | PFLlib -algo {m.pfllib} {flags}")
+        lines += [f"  departure: {d}" for d in m.departures]
+    return "\n".join(lines)
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export", help="one split and seed in PFLlib's format")
+    export.add_argument("--split", choices=SPLITS, required=True)
+    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--out", type=Path, required=True)
+    for name in ("run", "curves"):
+        command = sub.add_parser(name)
+        command.add_argument("--scratch", type=Path, required=True)
+        command.add_argument("--split", choices=SPLITS, required=True)
+        command.add_argument("--method", choices=METHODS, required=True)
+        command.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    run = sub.choices["run"]
+    run.add_argument("--pfllib", type=Path, help="a PFLlib checkout (needed unless --side pfedkit)")
+    run.add_argument("--rounds", type=int, help="default: the split's committed rounds")
+    run.add_argument("--side", choices=["both", "pfedkit", "PFLlib"], default="both")
+    sub.choices["curves"].add_argument("--out", type=Path, required=True)
+    row = sub.add_parser("row", help="the table row of a curves file")
+    row.add_argument("curves", type=Path)
+    row.add_argument("--rounds", type=int, help="default: the last round both sides evaluated")
+    row.add_argument("--verdict", default="")
+    mapping = sub.add_parser("mapping", help="print the option mapping")
+    mapping.add_argument("--method", choices=METHODS)
+    return parser.parse_args(argv)
+
+
+def command_run(ns: argparse.Namespace) -> int:
+    split, method = SPLITS[ns.split], METHODS[ns.method]
+    rounds = ns.rounds or split.rounds
+    if ns.side != "pfedkit" and ns.pfllib is None:
+        raise SystemExit("--pfllib CHECKOUT is needed to run PFLlib's side (or give --side pfedkit)")
+    failures = 0
+    for seed in ns.seeds:
+        if ns.side in ("both", "PFLlib"):
+            failures += run_pfllib_side(ns.pfllib, ns.scratch.resolve(), split, method, seed, rounds) != 0
+        if ns.side in ("both", "pfedkit"):
+            failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds) != 0
+    return 1 if failures else 0
+
+
+def command_row(ns: argparse.Namespace) -> int:
+    curves = pd.read_csv(ns.curves)
+    evaluated = curves[curves["round"] >= 1].groupby("library")["round"].max()
+    rounds = ns.rounds or int(evaluated.min())
+    row = compare(ns.curves.stem, curves, rounds)
+    print(TABLE_HEADER)
+    print(markdown_row(row, ns.verdict or ("agree" if row.complete and row.within_spread else "differs")))
+    paired = paired_last10(curves, rounds)
+    print("paired by seed, last-10 pfedkit - PFLlib:", ", ".join(f"seed {s} {d:+.2f}" for s, d in paired.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_arguments(sys.argv[1:] if argv is None else argv)
+    if ns.command == "export":
+        export_split(SPLITS[ns.split], ns.seed, ns.out)
+        return 0
+    if ns.command == "run":
+        return command_run(ns)
+    if ns.command == "curves":
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+        collect_curves(ns.scratch, SPLITS[ns.split], METHODS[ns.method], ns.seeds).to_csv(
+            ns.out, index=False, float_format="%.6f")
+        return 0
+    if ns.command == "row":
+        return command_row(ns)
+    print(mapping_text(METHODS[ns.method] if ns.method else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

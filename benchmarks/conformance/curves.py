@@ -1,0 +1,116 @@
+"""Per-round curves of both libraries and the row that compares them.
+
+A curves file (one per split and method, committed under docs/results/conformance/<split>/) has
+one line per library, seed and evaluated round: `library` (pfedkit / PFLlib), `seed`, `round`,
+`accuracy` (sample-weighted over all clients' test rows, a fraction). PFLlib's round 0 (the initial
+model) is kept in the file; rows use rounds 1..R, which both sides evaluate.
+
+A row: per library, the mean over seeds of the best accuracy, of the mean of the last 10 rounds
+and of the round of the best; the spread is the range (max - min) over seeds of the last-10 means;
+the differences are pfedkit minus PFLlib. Agreement: |difference of last-10 means| at most the
+larger of the two sides' spreads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+LAST = 10
+COLUMNS = ["library", "seed", "round", "accuracy"]
+LIBRARIES = ("pfedkit", "PFLlib")
+
+
+def pfedkit_curve(run_dir: Path) -> dict[int, float]:
+    """{round: sample-weighted accuracy} of a pfedkit run directory's metrics.csv."""
+    from pfedkit.evaluation import round_table
+
+    table = round_table(pd.read_csv(Path(run_dir) / "metrics.csv"))
+    return {int(rnd): float(acc) for rnd, acc in table["acc_weighted"].items()}
+
+
+def curve_frame(library: str, seed: int, curve: dict[int, float]) -> pd.DataFrame:
+    return pd.DataFrame({"library": library, "seed": seed, "round": list(curve), "accuracy": list(curve.values())},
+                        columns=COLUMNS)
+
+
+@dataclass(frozen=True)
+class SideSummary:
+    seeds: int
+    best: float            # mean over seeds, percent
+    last10: float          # mean over seeds, percent
+    round_of_best: float   # mean over seeds
+    spread: float          # max - min over seeds of the last-10 means, percent
+    rounds: int
+
+
+def seed_summary(accuracy: pd.Series) -> tuple[float, float, int]:
+    """(best %, last-10 mean %, round of best) of one seed's accuracy indexed by round (>= 1)."""
+    accuracy = accuracy.sort_index()
+    return 100 * accuracy.max(), 100 * accuracy.iloc[-LAST:].mean(), int(accuracy.idxmax())
+
+
+def side_summary(curves: pd.DataFrame, library: str, rounds: int) -> SideSummary | None:
+    """One library's summary over its seeds, counting only seeds evaluated at every round 1..rounds."""
+    side = curves[(curves["library"] == library) & (curves["round"].between(1, rounds))]
+    per_seed = [seed_summary(group.set_index("round")["accuracy"]) for _, group in side.groupby("seed")
+                if group["round"].nunique() == rounds]
+    if not per_seed:
+        return None
+    best, last10, at = zip(*per_seed)
+    return SideSummary(len(per_seed), sum(best) / len(best), sum(last10) / len(last10), sum(at) / len(at),
+                       max(last10) - min(last10), rounds)
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    pfedkit: SideSummary | None
+    pfllib: SideSummary | None
+
+    @property
+    def complete(self) -> bool:
+        return self.pfedkit is not None and self.pfllib is not None
+
+    def difference(self, name: str) -> float:
+        return getattr(self.pfedkit, name) - getattr(self.pfllib, name)
+
+    @property
+    def within_spread(self) -> bool:
+        return abs(self.difference("last10")) <= max(self.pfedkit.spread, self.pfllib.spread)
+
+
+def compare(method: str, curves: pd.DataFrame, rounds: int) -> Row:
+    return Row(method, side_summary(curves, "pfedkit", rounds), side_summary(curves, "PFLlib", rounds))
+
+
+def paired_last10(curves: pd.DataFrame, rounds: int) -> dict[int, float]:
+    """{seed: pfedkit's last-10 mean minus PFLlib's, in points} for the seeds both sides completed
+    (a seed is the same partition on both sides)."""
+    window = curves[curves["round"].between(rounds - LAST + 1, rounds)]
+    means = window.groupby(["library", "seed"])["accuracy"].agg(["mean", "count"])
+    complete = means[means["count"] == LAST]["mean"]
+    seeds = sorted(set(complete.get("pfedkit", pd.Series()).index) & set(complete.get("PFLlib", pd.Series()).index))
+    return {int(s): 100 * (complete["pfedkit"][s] - complete["PFLlib"][s]) for s in seeds}
+
+
+def markdown_row(row: Row, verdict: str) -> str:
+    """| method | rounds | seeds | pfedkit best / last-10 / round | PFLlib ... | differences | spread | verdict |"""
+    if not row.complete:
+        return f"| {row.method} | | | | | | | not run yet |"
+    kit, lib = row.pfedkit, row.pfllib
+    sides = [f"{s.best:.2f} / {s.last10:.2f} / {s.round_of_best:.0f}" for s in (kit, lib)]
+    differences = (f"{row.difference('best'):+.2f} / {row.difference('last10'):+.2f} / "
+                   f"{row.difference('round_of_best'):+.0f}")
+    spread = f"{kit.spread:.2f} / {lib.spread:.2f}"
+    return f"| {row.method} | {kit.rounds} | {kit.seeds} + {lib.seeds} | {sides[0]} | {sides[1]} | {differences} | {spread} | {verdict} |"
+
+
+TABLE_HEADER = ("| method | rounds | seeds (pfedkit + PFLlib) | pfedkit best / last-10 / round of best | "
+                "PFLlib best / last-10 / round of best | difference (pfedkit − PFLlib) | seed spread of last-10 "
+                "(pfedkit / PFLlib) | verdict |\n|---|---|---|---|---|---|---|---|")
+
+
+def read_curves(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path)

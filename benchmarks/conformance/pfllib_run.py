@@ -1,0 +1,119 @@
+"""Running a PFLlib checkout on an exported pfedkit partition, from a scratch folder.
+
+Nothing is written into the checkout. The scratch folder holds:
+    stubs/               packages PFLlib imports at module level but never calls for these methods
+    seeded_main.py       the launcher: seeds, then runs the checkout's system/main.py as __main__
+    run/system/          PFLlib's working directory (it reads ../dataset, writes ../results, models/)
+    run/dataset/<NAME>/  the exported clients (pfllib_data.py)
+    logs/                one log per method and seed: the curves are read from it
+
+Stubs, written only for packages this Python cannot import (each raises, naming itself, if a
+method does use it, except calmsize's `size`, which MemReporter's closing report calls: it
+returns the byte count unformatted):
+    torchvision  main.py imports it for the ResNet/GoogleNet models only
+    calmsize     utils/mem_utils.py (MemReporter, printed at the end of main.py)
+    cvxpy        serverpac.py (FedPAC's head weights): FedPAC needs the real package
+h5py is not stubbed: the server saves its curve with it and main.py reads it back at the end
+(`pip install h5py`). matplotlib (utils/dlg.py) is a pfedkit dependency already.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+STUBBED = {
+    "torchvision": "main.py imports it for torchvision's ResNet and GoogleNet models only",
+    "cvxpy": "serverpac.py imports it for FedPAC's head weights",
+}
+CALMSIZE_STUB = '''"""Stub of calmsize for PFLlib's MemReporter (pfedkit conformance): sizes stay byte counts."""
+
+
+def size(num_bytes):
+    return float(num_bytes)
+'''
+RAISING_STUB = '''"""Stub of {name} for running PFLlib beside pfedkit (benchmarks/conformance): {why}."""
+
+
+def __getattr__(attribute):
+    raise ImportError("{name} is a stub here ({why}); install the real {name} to run a method that uses it")
+'''
+LAUNCHER = '''"""pfedkit conformance: run PFLlib's system/main.py with seed SEED added to every torch seed it sets
+(main.py seeds torch with 0 at import, each client again with 0) and numpy and random seeded with SEED.
+Usage: python seeded_main.py PFLLIB_SYSTEM SEED MAIN_ARGUMENTS..."""
+import os
+import random
+import runpy
+import sys
+
+import numpy
+import torch
+
+system, seed = sys.argv[1], int(sys.argv[2])
+del sys.argv[1:3]
+manual_seed = torch.manual_seed
+torch.manual_seed = lambda value: manual_seed(value + seed)
+numpy.random.seed(seed)
+random.seed(seed)
+sys.path.insert(0, system)
+sys.argv[0] = os.path.join(system, "main.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+ROUND = re.compile(r"Round number: (\d+)")
+ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+
+
+def prepare_scratch(scratch: Path) -> Path:
+    """Write the stubs and the launcher into `scratch`; returns the launcher's path."""
+    stubs = scratch / "stubs"
+    for name, why in STUBBED.items():
+        if importlib.util.find_spec(name) is None:
+            write_text(stubs / name / "__init__.py", RAISING_STUB.format(name=name, why=why))
+    if importlib.util.find_spec("calmsize") is None:
+        write_text(stubs / "calmsize" / "__init__.py", CALMSIZE_STUB)
+    (scratch / "run" / "system").mkdir(parents=True, exist_ok=True)
+    launcher = scratch / "seeded_main.py"
+    write_text(launcher, LAUNCHER)
+    return launcher
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def run_pfllib(checkout: Path, scratch: Path, seed: int, arguments: list[str], log: Path) -> int:
+    """Run main.py of `checkout` with `arguments` (mapping.pfllib_arguments) and the seed; its output
+    goes to `log`. Returns the exit code."""
+    launcher = prepare_scratch(scratch)
+    system = Path(checkout).resolve() / "system"
+    if not (system / "main.py").is_file():
+        raise SystemExit(f"{checkout}: not a PFLlib checkout (no system/main.py)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-u", str(launcher.resolve()), str(system), str(seed), *arguments]
+    with open(log, "w") as out:
+        out.write("# " + " ".join(command[3:]) + "\n")
+        out.flush()
+        return subprocess.call(command, cwd=scratch / "run" / "system", env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def curve_from_log(text: str, which: str = "last") -> dict[int, float]:
+    """{round: accuracy (fraction)} from a PFLlib log: per 'Round number: r' block, the first or the
+    last 'Averaged Test Accuracy' (`which`) printed before the next block or 'Best accuracy.'."""
+    blocks: dict[int, list[float]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("Best accuracy."):
+            current = None
+        elif match := ROUND.search(line):
+            current = int(match.group(1))
+            blocks[current] = []
+        elif current is not None and (match := ACCURACY.search(line)):
+            blocks[current].append(float(match.group(1)))
+    pick = 0 if which == "first" else -1
+    return {rnd: values[pick] for rnd, values in blocks.items() if values}
