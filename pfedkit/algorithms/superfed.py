@@ -170,7 +170,8 @@ class SuPerFed(MeanOfUploads, Algorithm):
             "model", description="one lam per mini-batch for the whole model (SuPerFed-MM) or one per layer "
             "(SuPerFed-LM)", json_schema_extra=choices("model", "layer"))
         proximal: Literal["squared", "layer_norms"] = Field(
-            "squared", description="P: ||w_f - w_g||^2 (paper) or the sum of per-tensor L2 norms (code)",
+            "squared", description="P: ||w_f - w_g||^2 (the paper as read) or the sum of per-tensor L2 norms "
+            "(the authors' code)",
             json_schema_extra=choices("squared", "layer_norms"))
 
     def mixing(self, rnd: int) -> bool:
