@@ -295,6 +295,21 @@ METHODS_I_II = (
                        "PFLlib's p gradient for j = i reads the core after this batch's step (clientapple.py:55-62); "
                        "pfedkit takes both from the same point; PFLlib evaluates self.model, the mixture before the "
                        "last step (serverapple.py:39-44)")),
+    Method("FedKD", "fedkd", "FedKD", {"fedkd.mentee_lr": 0.005, "fedkd.t_start": 0.95, "fedkd.t_end": 0.98,
+                                       "fedkd.weighting": "uniform", "fedkd.kl_reduction": "pfllib"},
+           {"-mlr": 0.005, "-Ts": 0.95, "-Te": 0.98},
+           departures=("PFLlib's mentee lr is -mlr, default 0.005 (main.py:489): both set to it; its energy "
+                       "threshold T_start + (r/R)(T_end - T_start) for round r (serverkd.py:60) is pfedkit's",
+                       "PFLlib's server mean is 1/m (serverkd.py:124-126): weighting=uniform; its KL is "
+                       "KLDivLoss(), the mean over B x C entries (clientkd.py:31): kl_reduction=pfllib",
+                       "PFLlib divides each distillation and hidden loss by CE + CE_g inside autograd, so the "
+                       "adaptive weight is differentiated and each loss trains both models; pfedkit's weight is "
+                       "a constant of the step (the paper's reading); no option removes this",
+                       "PFLlib's mentee hidden loss is the mentor's, MSE(rep, W_h(rep_g)) (clientkd.py:68-69), and "
+                       "it clips the mentor, mentee and W_h at norm 10 (clientkd.py:80-82); pfedkit's FedKD step "
+                       "does not clip",
+                       "PFLlib decays the mentee's and W_h's learning rates with ExponentialLR "
+                       "(clientkd.py:18-26); pfedkit keeps them constant")),
     Method("FML", "fml", "FML", {"fml.alpha": 0.5, "fml.beta": 0.5, "fml.kl_reduction": "pfllib",
                                  "fml.cross_gradients": True, "fml.weighting": "uniform"}, {"-al": 0.5, "-bt": 0.5},
            departures=("PFLlib's alpha is -al, default 1, its beta -bt, default 0 (main.py:465, 446): the local "
@@ -348,11 +363,7 @@ METHODS.update((m.label, m) for m in METHODS_I_II)
 
 # Methods I and II that PFLlib implements but whose pfedkit side is not written yet: the PFLlib facts
 # read so far, for the entry to come.
-NOT_MAPPED_YET = {
-    "FedKD": "PFLlib -algo FedKD, flags -mlr (mentee lr, 0.005), -Ts 0.95, -Te 0.98 (SVD energy, serverkd.py:60, "
-             "132-148); its mentee's hidden loss is the mentor's, MSE(rep, W_h(rep_g)) in both (clientkd.py:68-69); "
-             "both models clipped at norm 10 (clientkd.py:80-82); pfedkit's fedkd is not written yet",
-}
+NOT_MAPPED_YET: dict[str, str] = {}  # PFLlib methods whose pfedkit algorithm is not written yet: their facts
 
 
 def pfedkit_overrides(method: Method, split: Split, seed: int, rounds: int) -> list[str]:
