@@ -47,6 +47,7 @@ from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.perfedavg import inner_step
 from pfedkit.core.contract import EVALUATED_MODELS, Algorithm, Fit
 from pfedkit.core.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
+from pfedkit.engine.protocols import OnInputs
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import FitJob, LocalTrainer
@@ -648,9 +649,11 @@ def own_loss(rec: Recording, parts: Parts, cid: int, expected: Expected) -> floa
         outcome = runtime.trainers(cid).fit(job, data.x_train, data.y_train)
         params, buffers = outcome.params, outcome.buffers
     predict = None
-    if algorithm.has_custom_predict():
-        server = parts.server if expected.server is None else expected.server
-        client = parts.clients[cid] if expected.client is None else expected.client
+    server = parts.server if expected.server is None else expected.server
+    client = parts.clients[cid] if expected.client is None else expected.client
+    if algorithm.has_input_predict():
+        predict = OnInputs(partial(algorithm.predict_inputs, cid, server, client, buffers=buffers))
+    elif algorithm.has_custom_predict():
         predict = partial(algorithm.predict, cid, server, client)
     return runtime.evaluators(cid).evaluate(params, buffers, data.x_test, data.y_test, predict).loss
 
