@@ -502,6 +502,32 @@ def qffl(parts: Parts, cid: int) -> Expected:
     return Expected({name: (w[name] - numerator[name] / denominator).float() for name in w})
 
 
+def fedem(parts: Parts, cid: int) -> Expected:
+    """The mixture sum_k pi_ik softmax(h_k(x)) of the K components, each the n_i-weighted mean of
+    the clients' k-th trained models, with pi_i = the mean over the client's training samples of
+    the responsibilities pi_ik exp(-l_k) / sum_k' pi_ik' exp(-l_k') under the components it
+    downloaded, its pi before the round as the prior; the recorded parameters: the component of
+    largest pi_ik."""
+    count, ops = parts.algorithm.hyper.num_components, parts.algorithm.setup.ops
+    components = [weighted_mean([model_only(parts.trained(j, k)) for j in range(NUM_CLIENTS)], parts.sizes)
+                  for k in range(count)]
+    data = parts.rec.runtime.data.clients[cid]
+    losses = torch.stack([nn.functional.cross_entropy(ops.logits(c, data.x_train).double(), data.y_train,
+                                                      reduction="none") for c in parts.download(cid)["components"]])
+    log_joint = torch.log(parts.before[cid]["pi"].double())[:, None] - losses
+    pi = (log_joint - torch.logsumexp(log_joint, dim=0)).exp().mean(dim=1)
+    return Expected(components[int(torch.argmax(pi))], server={"components": components}, client={"pi": pi})
+
+
+def fedem_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def with_pi(cid: int, pi: torch.Tensor) -> Expected:
+        return with_client(fedem(parts, cid), pi=pi)
+    count = parts.algorithm.hyper.num_components
+    return {"the mixture weights before the round's E-step": lambda cid: with_pi(cid, parts.before[cid]["pi"]),
+            "uniform mixture weights": lambda cid: with_pi(cid, torch.full((count,), 1.0 / count, dtype=torch.float64)),
+            "the first component alone": lambda cid: with_pi(cid, torch.eye(count, dtype=torch.float64)[0])}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -583,6 +609,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "pfedcs": Rule(pfedcs, True, pfedcs_wrong), "fedrema": Rule(fedrema, True, fedrema_wrong),
     "cwfedavg": Rule(cwfedavg, True, cwfedavg_wrong),
     "qffl": Rule(qffl, True),
+    # the mixture reads no single parameter set, so the client's own model is no wrong assembly here
+    "fedem": Rule(fedem, False, fedem_wrong),
 }
 
 
