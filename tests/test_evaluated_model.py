@@ -47,6 +47,7 @@ from pfedkit.algorithms import algorithm_names, get_algorithm
 from pfedkit.algorithms.perfedavg import inner_step
 from pfedkit.core.contract import EVALUATED_MODELS, Algorithm, Fit
 from pfedkit.core.params import Params, interpolate, linear_layer_names, merge, select, weighted_mean
+from pfedkit.engine.protocols import OnInputs
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import FitJob, LocalTrainer
@@ -93,6 +94,7 @@ CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
       if "relation_training" in get_algorithm("rpfedpm").Hyper.model_fields else []),
     pytest.param("cwfedavg", {"cwfedavg": {"mix_on": "client"}}, id="cwfedavg-mix-on-client"),
     pytest.param("fedbn", {"model": "digits_bn"}, id="fedbn-batchnorm"),
+    pytest.param("fedem", {"model": "digits_bn"}, id="fedem-batchnorm"),
 ]
 
 
@@ -270,6 +272,9 @@ class Expected:
     server: Any = None   # the states a custom `predict` reads (None: the final ones)
     client: Any = None
     adapt: Fit | None = None  # the evaluation-time adaptation Fit (its params: `params`)
+    # the rule's own prediction from the inputs, (server, client, buffers, x) -> logits, for a method
+    # with `predict_inputs` (None: the algorithm's hook, fed the expected states)
+    predict_inputs: Callable[[Any, Any, Any, torch.Tensor], torch.Tensor] | None = None
 
 
 def averaged(parts: Parts, part: str = "all") -> Params:
@@ -732,6 +737,42 @@ def pfedsim(parts: Parts, cid: int) -> Expected:
     return Expected(model_only(parts.trained(cid, -1)))
 
 
+def fedem(parts: Parts, cid: int) -> Expected:
+    """The mixture sum_k pi_ik softmax(h_k(x)) of the K components, each the n_i-weighted mean of
+    the clients' k-th trained models, with pi_i = the mean over the client's training samples of
+    the responsibilities pi_ik exp(-l_k) / sum_k' pi_ik' exp(-l_k') under the components it
+    downloaded (in eval mode with its BatchNorm statistics as the round began), its pi before the
+    round as the prior; the mixture with the evaluated statistics; the recorded parameters: the
+    component of largest pi_ik."""
+    count, ops = parts.algorithm.hyper.num_components, parts.algorithm.setup.ops
+    components = [weighted_mean([model_only(parts.trained(j, k)) for j in range(NUM_CLIENTS)], parts.sizes)
+                  for k in range(count)]
+    data = parts.rec.runtime.data.clients[cid]
+    buffers = parts.rec.evaluated[ROUNDS - 1, cid][1]  # the client's statistics as the round began
+    losses = torch.stack([nn.functional.cross_entropy(ops.logits(c, data.x_train, buffers).double(), data.y_train,
+                                                      reduction="none") for c in parts.download(cid)["components"]])
+    log_joint = torch.log(parts.before[cid]["pi"].double())[:, None] - losses
+    pi = (log_joint - torch.logsumexp(log_joint, dim=0)).exp().mean(dim=1)
+    return Expected(components[int(torch.argmax(pi))], server={"components": components}, client={"pi": pi},
+                    predict_inputs=partial(probability_mixture, ops))
+
+
+def probability_mixture(ops, server: dict, client: dict, buffers, x: torch.Tensor) -> torch.Tensor:
+    """log sum_k pi_k softmax(h_k(x)), each component with the evaluated BatchNorm statistics."""
+    probabilities = sum(float(pi_k) * torch.softmax(ops.logits(c, x, buffers).double(), dim=1)
+                        for pi_k, c in zip(client["pi"], server["components"]))
+    return torch.log(probabilities)
+
+
+def fedem_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
+    def with_pi(cid: int, pi: torch.Tensor) -> Expected:
+        return with_client(fedem(parts, cid), pi=pi)
+    count = parts.algorithm.hyper.num_components
+    return {"the mixture weights before the round's E-step": lambda cid: with_pi(cid, parts.before[cid]["pi"]),
+            "uniform mixture weights": lambda cid: with_pi(cid, torch.full((count,), 1.0 / count, dtype=torch.float64)),
+            "the first component alone": lambda cid: with_pi(cid, torch.eye(count, dtype=torch.float64)[0])}
+
+
 def downloaded_model(parts: Parts) -> dict[str, Callable[[int], Expected]]:
     """A method evaluating the client's own model: the model it downloaded is wrong (where it downloads one)."""
     return {"the downloaded model": lambda cid: Expected(parts.download(cid)["params"])}
@@ -925,6 +966,8 @@ CUSTOM_RULES: dict[str, Rule] = {
     "floco": Rule(floco, True, floco_wrong),
     "superfed": Rule(superfed, True),
     "pfedsim": Rule(pfedsim, False, downloaded_model),
+    # the mixture reads no single parameter set, so the client's own model is no wrong assembly here
+    "fedem": Rule(fedem, False, fedem_wrong),
 }
 CUSTOM_RULES.update({
     "fedavgm": Rule(fedavgm, True, server_step_left_out),
@@ -1003,9 +1046,13 @@ def own_loss(rec: Recording, parts: Parts, cid: int, expected: Expected) -> floa
         outcome = runtime.trainers(cid).fit(job, data.x_train, data.y_train)
         params, buffers = outcome.params, outcome.buffers
     predict = None
-    if algorithm.has_custom_predict():
-        server = parts.server if expected.server is None else expected.server
-        client = parts.clients[cid] if expected.client is None else expected.client
+    server = parts.server if expected.server is None else expected.server
+    client = parts.clients[cid] if expected.client is None else expected.client
+    if expected.predict_inputs is not None:
+        predict = OnInputs(partial(expected.predict_inputs, server, client, buffers))
+    elif algorithm.has_input_predict():
+        predict = OnInputs(partial(algorithm.predict_inputs, cid, server, client, buffers=buffers))
+    elif algorithm.has_custom_predict():
         predict = partial(algorithm.predict, cid, server, client)
     return runtime.evaluators(cid).evaluate(params, buffers, data.x_test, data.y_test, predict).loss
 

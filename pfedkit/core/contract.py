@@ -11,6 +11,7 @@ An algorithm never owns a round loop. The engine (`pfedkit.engine.simulate`) cal
         ... return new_client_state, reply_message
     server = algo.aggregate(rnd, server, replies)   # through start_aggregation: fed reply by reply
     model used by client cid = algo.client_model(cid, server, client_state)   # for evaluation
+    (or its own prediction from the inputs: algo.predict_inputs(cid, server, client_state, x, buffers))
 
 Before round 1 the engine asks EVERY client for `client_report(0, ...)`: the setup-time exchange
 (round 0) for what a method sends once before training (DA-PFL's class counts); its bytes are
@@ -244,8 +245,8 @@ class Algorithm:
       - `aggregate`: the new server state from the round's replies (or the `MeanOfUploads` mixin
         with `averaged = "KEY"` for the n_i-weighted mean of the uploads);
       - `client_model`: the parameters a client predicts with (what evaluation measures).
-    Everything below those is optional, grouped by concept: evaluation (a custom prediction, the
-    model right after training, evaluation-time adaptation), the setup exchange (an upload before
+    Everything below those is optional, grouped by concept: evaluation (a custom prediction from
+    the features or from the inputs, the model right after training, evaluation-time adaptation), the setup exchange (an upload before
     the broadcast), clients that never trained, a streamed aggregation, checks of the options
     against the model and data, the engine hints and what tests and tools read (class attributes).
     """
@@ -334,6 +335,22 @@ class Algorithm:
     def has_custom_predict(self) -> bool:
         return type(self).predict is not Algorithm.predict
 
+    def predict_inputs(self, cid: int, server: Any, client: Any, x: torch.Tensor,
+                       buffers: Params | None = None) -> torch.Tensor:
+        """Logits (or log-probabilities: only their argmax and cross-entropy are measured) computed
+        from the test inputs `x` themselves, when the client predicts with something no single
+        parameter set with its head or `predict` expresses (FedEM's mixture of K full models).
+        `buffers`: the client's BatchNorm statistics as evaluation would load them (None: no
+        buffers). Not overridden (the default): the engine evaluates `client_model` (through
+        `predict` where there is one). Where overridden it replaces both for every evaluation
+        (participants, either `eval_point`, new clients) and the parameters `client_model` /
+        `adapt` give are still built, recorded and measured for row norms, but not predicted with.
+        Runs in the main process on every backend, as `predict`."""
+        raise NotImplementedError
+
+    def has_input_predict(self) -> bool:
+        return type(self).predict_inputs is not Algorithm.predict_inputs
+
     def trained_model(self, cid: int, client: Any, params: Params) -> Params:
         """What a participant predicts with right after its local training (config
         `eval_point=after_local_training`): `client` is its new state, `params` the answer to its
@@ -379,6 +396,14 @@ class Algorithm:
         `new_clients`), in a few words; None (the default): it can, through `joining_model`. The
         engine refuses `new_clients > 0` at start with a one-line ConfigError naming both."""
         return None
+
+    def joining_state(self, cid: int, server: Any, client: Any, data: ClientData) -> Any:
+        """The state client `cid`, which never trained, holds when it joins now, from its fresh
+        state `client` (`init_client`) and its data: what `joining_model` and the evaluation's
+        `predict` / `predict_inputs` then read (FedEM's mixture weights fitted by EM with the
+        components fixed). Nothing is kept: the next evaluation starts again from the fresh state.
+        Default: `client` itself."""
+        return client
 
     def joining_model(self, cid: int, server: Any, client: Any, data: ClientData) -> Params:
         """What client `cid`, which never trained and was never aggregated, receives when it joins

@@ -14,7 +14,7 @@ import numpy as np
 from pfedkit.core.contract import Algorithm, ClientData, Fit, Message
 from pfedkit.engine.client_states import DISK_WINDOW, DiskStates, Placement
 from pfedkit.engine.drive import drive_clients
-from pfedkit.engine.protocols import Runtime
+from pfedkit.engine.protocols import OnInputs, Runtime
 from pfedkit.engine.state import SimState
 from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
@@ -107,17 +107,27 @@ class LocalClients:
     def _evaluate_block(self, rnd: int, cids: list[int], state: SimState, stats: dict[int, dict]
                         ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         algo = self.algorithm
-        custom = algo.has_custom_predict()
         clients = {cid: state.clients[cid] for cid in cids}  # read once each (states may live on disk)
         models = {cid: (self.evaluated_model(cid, client, state.server, stats), state.buffers[cid])
                   for cid, client in clients.items()}
         if algo.has_adaptation():
             models.update(self._adapted(rnd, state.server, clients, models))
-        items = [(cid, params, buffers, partial(algo.predict, cid, state.server, clients[cid]) if custom else None)
+        items = [(cid, params, buffers, self._prediction(cid, state.server, clients[cid], buffers))
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         norms = {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
         return evals, norms
+
+    def _prediction(self, cid: int, server: Any, client: Any, buffers: Any) -> Callable | None:
+        """How client `cid` predicts (the `predict` of its `EvalItem`): from the inputs
+        (`predict_inputs`, with the evaluated buffers), from the body features (`predict`), or with
+        the evaluated model itself (None)."""
+        algo = self.algorithm
+        if algo.has_input_predict():
+            return OnInputs(partial(algo.predict_inputs, cid, server, client, buffers=buffers))
+        if algo.has_custom_predict():
+            return partial(algo.predict, cid, server, client)
+        return None
 
     def _adapted(self, rnd: int, server: Any, clients: dict[int, Any], models: dict[int, tuple]) -> dict[int, tuple]:
         """Evaluation-time adaptation (`Algorithm.adapt`): the clients' adapted models and BatchNorm
@@ -149,15 +159,15 @@ class LocalClients:
     def _evaluate_new_block(self, rnd: int, cids: list[int], state: SimState, finetune_epochs: int
                             ) -> tuple[dict[int, ClientEval], dict[int, np.ndarray]]:
         algo, server = self.algorithm, state.server
-        fresh = {cid: state.clients[cid] for cid in cids}
+        fresh = {cid: algo.joining_state(cid, server, state.clients[cid], self.client_view(cid, state))
+                 for cid in cids}
         models = {cid: (algo.joining_model(cid, server, client, self.client_view(cid, state)), state.buffers[cid])
                   for cid, client in fresh.items()}
         if finetune_epochs > 0:
             jobs = [FitJob(rnd, cid, 0, Fit(params, epochs=finetune_epochs), buffers, None, purpose=NEW_CLIENT_PURPOSE)
                     for cid, (params, buffers) in models.items()]
             models = {cid: (outcome.params, outcome.buffers) for cid, outcome in self.runtime.fit_many(jobs).items()}
-        custom = algo.has_custom_predict()
-        items = [(cid, params, buffers, partial(algo.predict, cid, server, fresh[cid]) if custom else None)
+        items = [(cid, params, buffers, self._prediction(cid, server, fresh[cid], buffers))
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         return evals, {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}

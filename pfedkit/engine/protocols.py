@@ -26,8 +26,22 @@ from pfedkit.engine.trainer import FitJob, FitOutcome
 from pfedkit.evaluation import ClientEval
 
 
+class OnInputs:
+    """A client's prediction from the test inputs themselves (`Algorithm.predict_inputs` bound to
+    the client's states and buffers): the evaluator calls it on each batch of inputs instead of
+    the loaded model (FedEM's mixture of K full models). A plain callable in an `EvalItem` maps
+    body features to logits (`Algorithm.predict`)."""
+
+    def __init__(self, predict: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.predict = predict
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict(x)
+
+
 # (cid, params, buffers, predict): predict maps body features to logits when the algorithm does
-# not use the model's head for prediction, else None.
+# not use the model's head for prediction (an `OnInputs`: inputs to logits, the loaded model
+# unused), else None.
 EvalItem = tuple[int, Params, Params | None, Callable[[torch.Tensor], torch.Tensor] | None]
 
 

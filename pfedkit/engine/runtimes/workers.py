@@ -14,7 +14,7 @@ from torch import nn
 from pfedkit.core.params import Params
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.allocator import retain_freed_memory
-from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.protocols import EvalItem, OnInputs
 from pfedkit.engine.trainer import FitJob, FitOutcome, LocalTrainer, TrainSettings
 from pfedkit.evaluation import ClientEval, evaluate_logits_fn
 
@@ -64,7 +64,12 @@ class ModelEvaluator:
             tensor.copy_(params[name])
         for name, tensor in (buffers or {}).items():
             self.buffers[name].copy_(tensor)
-        logits_fn = self.model if predict is None else (lambda xb: predict(self.model.body(xb)))
+        if predict is None:
+            logits_fn = self.model
+        elif isinstance(predict, OnInputs):  # the algorithm's prediction from the inputs themselves
+            logits_fn = predict
+        else:  # from the body features of the loaded model
+            logits_fn = lambda xb: predict(self.model.body(xb))  # noqa: E731
         return evaluate_logits_fn(logits_fn, x, y, self.num_classes)
 
 
