@@ -19,11 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
-
-from pfedkit.models.base import (BodyHeadModel, check_num_classes, head_start, image_shape,
-                                 spatial_size)
-from pfedkit.models.cnn import CONV_WINDOWS
+from pfedkit.models.base import BodyHeadModel, head_start
+from pfedkit.models.cnn import fedavg_cnn_layers
 
 NAME = "cnn_bn"
 
@@ -32,22 +29,5 @@ class BatchNormCNN(BodyHeadModel):
     HEAD_SPLITS = {"last": "fc", "fc": "fc1"}
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, head: str = "last"):
-        in_channels, height, width = image_shape(input_shape, NAME)
-        flat_dim = (64 * spatial_size(height, CONV_WINDOWS, NAME)
-                    * spatial_size(width, CONV_WINDOWS, NAME))
-        layers = [
-            ("conv1", nn.Conv2d(in_channels, 32, kernel_size=5)),
-            ("bn1", nn.BatchNorm2d(32)),
-            ("relu1", nn.ReLU()),
-            ("pool1", nn.MaxPool2d(2)),
-            ("conv2", nn.Conv2d(32, 64, kernel_size=5)),
-            ("bn2", nn.BatchNorm2d(64)),
-            ("relu2", nn.ReLU()),
-            ("pool2", nn.MaxPool2d(2)),
-            ("flatten", nn.Flatten()),
-            ("fc1", nn.Linear(flat_dim, 512)),
-            ("bn3", nn.BatchNorm1d(512)),
-            ("relu3", nn.ReLU()),
-            ("fc", nn.Linear(512, check_num_classes(num_classes))),
-        ]
-        super().__init__(layers, head_start(head, self.HEAD_SPLITS, NAME))
+        super().__init__(fedavg_cnn_layers(input_shape, num_classes, NAME, batchnorm=True),
+                         head_start(head, self.HEAD_SPLITS, NAME))
