@@ -38,6 +38,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from pfedkit.algorithms.extra_layers import check_linear_head
 from pfedkit.algorithms.creff import mean_cross_entropy, retrain_classifier
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import Aggregation, SampleWeightedMean
@@ -147,12 +148,7 @@ class CCVR(Algorithm):
         calibration_batch_size: int = Field(32, ge=1, description="mini-batch of the calibration")
 
     def check(self) -> None:
-        head = {name: p for name, p in self.setup.ops.template.head.named_parameters(prefix="head")}
-        try:
-            linear_layer_names(head, "head")
-        except ValueError as error:
-            raise ConfigError(f"ccvr calibrates a Linear classifier, so the model's head must be one Linear layer "
-                              f"(use head='last'); {error}") from None
+        check_linear_head(self.setup, self.name)
         if self.hyper.calibration == "last_round" and self.setup.rounds < 1:
             raise ConfigError("ccvr.calibration=last_round needs the run's number of rounds; use every_round")
 

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from pfedkit.algorithms.extra_layers import check_linear_head
 from pfedkit.algorithms.registry import register
 from pfedkit.core.aggregation import fedavg_aggregate
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
-from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, clone, linear_layer_names, merge, select
 from pfedkit.core.seeds import SERVER, torch_generator
 
@@ -220,12 +220,7 @@ class CReFF(Algorithm):
         match_bias: bool = Field(True, description="include the bias (one row) in the matching distance")
 
     def check(self) -> None:
-        head = {name: p for name, p in self.setup.ops.template.head.named_parameters(prefix="head")}
-        try:
-            linear_layer_names(head, "head")
-        except ValueError as error:
-            raise ConfigError(f"creff re-trains a Linear classifier, so the model's head must be one Linear "
-                              f"layer (use head='last'); {error}") from None
+        check_linear_head(self.setup, self.name)
 
     # --- state ---------------------------------------------------------------------------------
 
