@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -152,3 +153,33 @@ def test_methods_table_puts_each_settings_seed_means_in_its_column(small_config,
     (tmp_path / "empty").mkdir()
     assert script.main([str(tmp_path / "empty")]) == 2
     assert "run benchmarks/methods_table.sh first" in capsys.readouterr().err
+
+
+def test_methods_table_puts_published_values_beside_each_setting_with_footnotes(tmp_path, capsys):
+    script = load_script("methods_table")
+    runs = tmp_path / "runs" / "mnist-dir0.1"
+    runs.mkdir(parents=True)
+    pd.DataFrame({"label": ["fedavg", "fedala"], "seeds": [1, 1], "last5_mean": [0.9, 0.95], "last5_std": [0, 0],
+                  "best_mean": [0.91, 0.96], "best_std": [0, 0]}).to_csv(runs / "table.csv", index=False)
+    entry = {"source": "Paper X, Table 1", "quote": "FedALA | 97.66", "setting": "FMNIST, Dir(0.1), 2000 rounds",
+             "differs": "dataset FMNIST; 2000 rounds, not 20"}
+    published = tmp_path / "published.yaml"
+    published.write_text(yaml.safe_dump({"mnist-dir0.1": {"fedala": {"value": 97.66, **entry}},
+                                         "mnist-pat2": {"fedala": {"value": 99.57, **entry}}}))
+    assert script.main([str(tmp_path / "runs"), "--published", str(published)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| method | seeds | mnist-dir0.1 last5 / best | mnist-dir0.1 published |"
+    assert lines[2] == "| `fedavg` | 1 | 90.00 / 91.00 | - |"  # no published value: "-"
+    assert lines[3] == "| `fedala` | 1 | 95.00 / 96.00 | 97.66 [1] |"
+    assert lines[5] == ("[1] Paper X, Table 1. Setting: FMNIST, Dir(0.1), 2000 rounds. "
+                        "Differs: dataset FMNIST; 2000 rounds, not 20.")
+    assert len(lines) == 6  # mnist-pat2 was not run: no column, no footnote
+    for bad, message in [({"cifar10-dir0.5": {}}, "unknown setting 'cifar10-dir0.5'"),
+                         ({"mnist-dir0.1": {"fedfoo": {"value": 1.0, **entry}}}, "pfedkit has no method fedfoo")]:
+        published.write_text(yaml.safe_dump(bad))
+        assert script.main([str(tmp_path / "runs"), "--published", str(published)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1  # one line
+    shipped = script.read_published(BENCHMARKS / "methods_published.yaml")  # the shipped file is valid
+    fields = {"value", "source", "quote", "setting", "differs"}
+    assert all(set(e) >= fields for methods in shipped.values() for e in methods.values())
