@@ -18,7 +18,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-SETTING_ORDER = ("mnist-dir0.1", "mnist-pat2", "cifar10-dir0.1", "cifar10-pat2")
+SETTING_ORDER = ("mnist-dir0.1", "mnist-pat2", "cifar10-dir0.1", "cifar10-pat2",
+                 "fashion_mnist-dir0.1", "fashion_mnist-pat2")  # the last two: PFLlib's leaderboard's
 ANCHORS = ("fedavg", "local")
 
 

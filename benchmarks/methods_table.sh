@@ -7,6 +7,8 @@
 # Usage: benchmarks/methods_table.sh [DATA_DIR] [OUT_DIR] [ALGORITHMS|all] [SEEDS] [key=value ...]
 #   e.g. benchmarks/methods_table.sh ../shared/datasets runs/methods all 0-2
 #        SETTINGS="mnist-dir0.1" benchmarks/methods_table.sh ../shared/datasets runs/methods fedavg,local 0
+#        SETTINGS="fashion_mnist-dir0.1 fashion_mnist-pat2" ... (the settings of PFLlib's leaderboard, whose
+#        numbers benchmarks/methods_published.yaml holds; DATASET-PARTITION, DATASET as in pfedkit list)
 # The table: python benchmarks/methods_table.py OUT_DIR
 set -euo pipefail
 DATA=${1:-../shared/datasets}
