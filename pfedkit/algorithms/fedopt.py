@@ -41,6 +41,7 @@ from pfedkit.core.aggregation import Aggregation, Message, SampleWeightedMean, f
 from pfedkit.core.contract import Algorithm, HyperParams
 from pfedkit.core.params import Params, clone
 from pfedkit.core.search import float_range
+from pfedkit.core.sgd import sgd_momentum_step
 
 
 class PseudoGradientServer(Algorithm):
@@ -83,19 +84,6 @@ def zeros_like(params: Params) -> Params:
 # --- FedAvgM ---------------------------------------------------------------------------------
 
 
-def server_momentum_step(x: Params, momentum: Params, mean: Params, *, beta: float, lr: float,
-                         nesterov: bool) -> tuple[Params, Params]:
-    """(x_{t+1}, v_t) of FedAvgM: g = x_t - mean_i y_i (the pseudo-gradient), v_t = beta v_{t-1} + g,
-    x_{t+1} = x_t - lr v_t; Nesterov: x_{t+1} = x_t - lr (g + beta v_t) (torch's SGD rule)."""
-    new_x, new_momentum = {}, {}
-    for name, value in x.items():
-        gradient = value - mean[name]
-        new_momentum[name] = beta * momentum[name] + gradient
-        step = gradient + beta * new_momentum[name] if nesterov else new_momentum[name]
-        new_x[name] = value - lr * step
-    return new_x, new_momentum
-
-
 @register
 class FedAvgM(PseudoGradientServer):
     name = "fedavgm"
@@ -116,8 +104,10 @@ class FedAvgM(PseudoGradientServer):
 
     def server_step(self, server: dict, mean: Params) -> dict[str, Any]:
         h = self.hyper
-        params, momentum = server_momentum_step(server["params"], server["momentum"], mean,
-                                                beta=h.beta, lr=h.server_lr, nesterov=h.nesterov)
+        x = server["params"]
+        pseudo_gradient = {name: value - mean[name] for name, value in x.items()}  # g = x_t - mean_i y_i
+        params, momentum = sgd_momentum_step(x, pseudo_gradient, server["momentum"], lr=h.server_lr,
+                                             momentum=h.beta, nesterov=h.nesterov)
         return {"params": params, "momentum": momentum}
 
 

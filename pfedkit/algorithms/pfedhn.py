@@ -44,9 +44,9 @@ from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, HyperParams, Message
 from pfedkit.core.params import Params, clone, merge, select
 from pfedkit.core.search import float_range, int_range
+from pfedkit.core.sgd import clip_by_total_norm, sgd_momentum_step
 from pfedkit.core.seeds import SERVER, torch_generator
 
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: scale = max_norm / (norm + 1e-6), at most 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,28 +94,6 @@ def hypernetwork_gradient(hn: Params, cid: int, delta: Params, targets: dict[str
                                 grad_outputs=[delta[name].to(model[name].dtype) for name in targets], allow_unused=True)
     return {name: torch.zeros_like(value) if grad is None else grad
             for (name, value), grad in zip(hn.items(), grads)}
-
-
-def clip_by_total_norm(grads: Params, max_norm: float) -> Params:
-    """grads * min(1, max_norm / (||grads||_2 + 1e-6)), the norm over every tensor together
-    (torch.nn.utils.clip_grad_norm_)."""
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-    scale = torch.clamp(max_norm / (total + CLIP_EPS), max=1.0)
-    return {name: grad * scale for name, grad in grads.items()}
-
-
-def sgd_momentum_step(params: Params, grads: Params, buffers: Params, lr: float, momentum: float,
-                      weight_decay: float) -> tuple[Params, Params]:
-    """torch.optim.SGD's step: d = g + wd p; buf = momentum buf + d (buf starts at 0, so the
-    first step's buf is d, as torch's); p <- p - lr buf. Returns (new params, new buffers)."""
-    new_params, new_buffers = {}, {}
-    for name, value in params.items():
-        step = grads[name] + weight_decay * value
-        if momentum:
-            step = momentum * buffers[name] + step
-            new_buffers[name] = step
-        new_params[name] = value - lr * step
-    return new_params, new_buffers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +189,8 @@ class PFedHN(Algorithm):
 
     def step(self, hn: Params, grads: Params, buffers: Params) -> tuple[Params, Params]:
         h = self.hyper
-        return sgd_momentum_step(hn, clip_by_total_norm(grads, h.max_grad_norm), buffers, h.hn_lr, h.hn_momentum,
-                                 h.hn_weight_decay)
+        return sgd_momentum_step(hn, clip_by_total_norm(grads, h.max_grad_norm), buffers, lr=h.hn_lr,
+                                 momentum=h.hn_momentum, weight_decay=h.hn_weight_decay)
 
     def generated(self, cid: int, server: dict) -> Params:
         """h(v_cid; phi), from the current hypernetwork."""

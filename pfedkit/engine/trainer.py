@@ -22,6 +22,7 @@ from pfedkit.core.contract import Batch, Fit, Forward
 from pfedkit.core.errors import ConfigError
 from pfedkit.core.params import Params, unprefixed
 from pfedkit.core.seeds import derive_seed, torch_generator
+from pfedkit.core.sgd import clip_by_total_norm
 from pfedkit.engine.device import seed_device_generator, to_device
 
 
@@ -360,9 +361,7 @@ class _Tools:
         names = list(grads)
         with torch.no_grad():
             if settings.grad_clip is not None and names:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n]) for n in names]))
-                coef = torch.clamp(settings.grad_clip / (norm + 1e-6), max=1.0)
-                grads = {name: grads[name] * coef for name in names}
+                grads = clip_by_total_norm(grads, settings.grad_clip)
             for name in names:
                 direction = grads[name]
                 if settings.weight_decay:
