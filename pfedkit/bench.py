@@ -210,6 +210,8 @@ def run_bench(args, log=print) -> dict:
               "final_acc": round(reports[-1].acc_weighted, 4), "peak_rss_mb": round(peak_rss_mb(), 1),
               "peak_pss_mb": round(pss.peak_kib / 1024, 1),
               "minor_faults_per_step": round(faults / max(steps, 1), 1)}
+    if device.type == "cuda":  # the GPU's peak since the process started (data, stacked clients, graphs)
+        result["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     if getattr(args, "parity", False):
         result.update(parity(args, overrides, log))
     return result
@@ -238,7 +240,8 @@ def format_bench(result: dict) -> str:
         f"{100 * result['peak_fraction']:.1f}% of peak, the whole round at {100 * result['peak_fraction_round']:.1f}%",
         f"device: {result['device']}; CPU: {result['cpu_capability']}, native bf16: {result['native_bf16']}",
         f"peak memory: RSS (this process + largest worker) {result['peak_rss_mb']} MB, "
-        f"PSS (all processes) {result['peak_pss_mb']} MB; {result['minor_faults_per_step']} page faults per step",
+        f"PSS (all processes) {result['peak_pss_mb']} MB; {result['minor_faults_per_step']} page faults per step"
+        + (f"; GPU {result['peak_gpu_mb']} MB" if "peak_gpu_mb" in result else ""),
     ]
     if "parity_gap" in result:
         lines.append(f"bf16 parity after {result['parity_rounds']} rounds: fp32 {result['parity_fp32_acc']}, "

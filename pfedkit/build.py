@@ -193,7 +193,8 @@ def process_runtime(config: Config, archs: Architectures, settings: TrainSetting
 def vectorized_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,
                        device: torch.device, threads: int) -> Runtime:
     from pfedkit.engine.runtimes.vectorized import VectorizedRuntime  # torch.func: loaded when used
-    return VectorizedRuntime(archs.build, settings, data, threads=threads, device=device, **archs.keywords())
+    return VectorizedRuntime(archs.build, settings, data, threads=threads, device=device, step=config.vectorized.step,
+                             max_clients=config.vectorized.max_clients, **archs.keywords())
 
 
 def ray_runtime(config: Config, archs: Architectures, settings: TrainSettings, data: FederatedData,

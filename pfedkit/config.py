@@ -115,6 +115,21 @@ class RayConfig(BaseModel):
                                           "device cuda, 0 on the CPU (device=cpu always uses 0)")
 
 
+class VectorizedConfig(BaseModel):
+    """`backend=vectorized`: how each lock-step of the stacked clients runs (docs/backends.md)."""
+    model_config = ConfigDict(extra="forbid")
+
+    step: Literal["auto", "eager", "bucketed", "graphs"] = Field(
+        "auto", description="graphs: one CUDA graph captured per (members, batch size) shape and replayed (no "
+        "per-step host overhead; members padded to powers of two with sink rows, batch sizes never padded); "
+        "bucketed: the same shapes run eagerly (the graphs' twin on a CPU); eager: exact shapes; auto: graphs "
+        "on a GPU in fp32 without dropout, else eager")
+    max_clients: int | None = Field(None, ge=1, description="clients trained together at most (consecutive "
+                                    "chunks of a round's clients, each handed on before the next trains: memory "
+                                    "flat in the number of clients); None: a power of two whose stacked models "
+                                    "fit in a quarter of the device's memory, at most 4096")
+
+
 class FlowerConfig(BaseModel):
     """`pfedkit flower simulate` and Flower deployments (see README, Beyond one machine)."""
     model_config = ConfigDict(extra="forbid")
@@ -214,6 +229,7 @@ class Config(BaseModel):
     workers: int | None = Field(None, ge=1, description="processes / ray backend: worker count (default: "
                                 "cores; ray: the cluster's CPUs)")
     ray: RayConfig = Field(default_factory=RayConfig)
+    vectorized: VectorizedConfig = Field(default_factory=VectorizedConfig)
     flower: FlowerConfig = Field(default_factory=FlowerConfig)
     threads: int | None = Field(None, ge=1, description="torch threads per client update (default: all cores for sequential, 1 per worker)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where clients train and are "

@@ -16,7 +16,7 @@ from pfedkit.config import Config
 
 # Keys that say where or how fast a run executes, not what it computes.
 EXECUTION_KEYS = ("out_dir", "name", "backend", "workers", "threads", "data_dir", "checkpoint_every", "ray", "flower",
-                  "compile", "client_states")
+                  "compile", "client_states", "vectorized")
 
 
 def identity(config: Config) -> dict[str, Any]:

@@ -126,6 +126,44 @@ def test_vectorized_equals_sequential_on_the_same_gpu(algorithm, small_config, t
 
 
 @needs_cuda
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "ditto", "local", "pfedcs"])
+def test_graphed_steps_equal_the_eager_step_on_the_same_gpu(algorithm, small_config, tmp_path, capsys):
+    """vectorized.step=graphs (auto on a GPU) replays one CUDA graph per shape on padded members;
+    its numbers are the eager step's on the same GPU, in chunks too (max_clients=2)."""
+    config = gpu_config(small_config, algorithm=algorithm, backend="vectorized", rounds=3)
+    eager = pfedkit.run({**config, "vectorized": {"step": "eager"}, "out_dir": str(tmp_path / "e")})
+    graphs = pfedkit.run({**config, "out_dir": str(tmp_path / "g")})
+    chunked = pfedkit.run({**config, "vectorized": {"max_clients": 2}, "out_dir": str(tmp_path / "c")})
+    out = capsys.readouterr().out
+    assert out.count("replays a CUDA graph") == 2 and "falling back" not in out
+    for run in (graphs, chunked):
+        np.testing.assert_allclose(run.metrics["train_loss"].fillna(0), eager.metrics["train_loss"].fillna(0),
+                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(run.metrics["accuracy"], eager.metrics["accuracy"], atol=1e-3)
+
+
+@needs_cuda
+def test_graphs_are_captured_once_per_shape_and_reused_across_rounds(small_config):
+    from pfedkit.config import load_config
+    from pfedkit.core.contract import Fit
+    from pfedkit.engine.trainer import FitJob
+    from pfedkit.runs import prepare
+    prepared = prepare(load_config(gpu_config(small_config, backend="vectorized")))
+    runtime, ops = prepared.runtime, prepared.simulation.algorithm.setup.ops
+    init = ops.initial_params()
+    cids = range(len(prepared.data.clients))
+    first = runtime.fit_many([FitJob(1, cid, 0, Fit(init), None) for cid in cids])
+    (_, (_, shapes)), = runtime.workspaces
+    captured = shapes.captured
+    assert captured == len(shapes.shapes) > 0
+    second = runtime.fit_many([FitJob(1, cid, 0, Fit(init), None) for cid in cids])
+    assert shapes.captured == captured  # the same shapes: replayed, not captured again
+    for cid in first:  # the same jobs again: the same numbers, bit for bit
+        assert all(torch.equal(first[cid].params[n], second[cid].params[n]) for n in init)
+    runtime.close()
+
+
+@needs_cuda
 def test_resume_on_the_gpu_gives_the_uninterrupted_numbers(small_config, tmp_path, monkeypatch):
     config = gpu_config(small_config, algorithm="ditto", rounds=4)
     reference, _, done, resumed = interrupt_and_resume(config, tmp_path, monkeypatch)

@@ -21,6 +21,14 @@ How a step's requests are trained:
     step. Frozen parts (trainable "body" / "head") get no update, as in the optimiser.
   * Context tensors and frozen parameters that are the very same tensor for every client of a
     group (FedProx's anchor, FedAvg's frozen part) are passed once, not stacked.
+  * Chunks: at most `max_clients` consecutive clients (in client order) train together; a chunk's
+    results are handed on before the next chunk trains, so memory is flat in the number of clients.
+  * How each step runs (`vectorized.step`, engine/runtimes/lockstep.py): `graphs` captures one
+    CUDA graph per (members, batch size) shape and replays it (members padded to powers of two with
+    a sink row; batch sizes never padded, so no loss is masked), with the stacked tensors reused
+    round after round at the captured addresses; `bucketed` runs the same shapes eagerly (the
+    CPU twin the tests compare); `eager` runs the exact shapes, contiguous members as views.
+    `auto`: graphs on a GPU in fp32 without dropout, else eager.
 
 What falls back to `LocalTrainer` (one message per reason and run):
   * models with buffers (BatchNorm running statistics): vmap training does not update them per
@@ -42,6 +50,7 @@ device; an algorithm's custom `predict` on the host).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -57,10 +66,45 @@ from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, member_bucket, stack_rows,
+                                               stacked_sgd_step, step_plan, train_members)
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
                                     request_lr)
 from pfedkit.evaluation import ClientEval
+
+
+STEP_KINDS = ("auto", "eager", "bucketed", "graphs")
+WORKSPACES = 4  # kinds of group (loss, layout, capacity) whose stacked tensors and graphs are kept
+MEMORY_SHARE = 0.25  # of the device's memory (a GPU's total, the host's available) for one chunk's tensors
+MAX_CLIENTS_CAP = 4096
+
+
+def step_kind(requested: str, device: torch.device, precision: str, dropout: list[str]) -> str:
+    """How each lock-step runs: `graphs` (CUDA graphs, one per shape), `bucketed` (the same padded
+    shapes and static buffers, run eagerly: the graphs' twin on a CPU), or `eager` (exact shapes,
+    contiguous members as views). auto: graphs on a GPU in fp32 without dropout, else eager (bf16
+    autocast caches casts, which a graph cannot; dropout's random masks are left to eager mode)."""
+    if requested not in STEP_KINDS:
+        raise ValueError(f"vectorized.step: {requested!r} is not one of {', '.join(STEP_KINDS)}")
+    if requested == "graphs" and device.type != "cuda":
+        raise ValueError(f"vectorized.step=graphs needs a CUDA device; this run trains on {device.type}")
+    if requested != "auto":
+        return requested
+    return "graphs" if device.type == "cuda" and precision == "fp32" and not dropout else "eager"
+
+
+def default_max_clients(model: nn.Module, device: torch.device) -> int:
+    """Clients trained together at most: a power of two whose stacked tensors (parameters, their
+    gradients, momentum and the selected copies: ~4 models a client) fit in MEMORY_SHARE of the
+    device's memory, between 1 and MAX_CLIENTS_CAP."""
+    per_client = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory * MEMORY_SHARE
+    else:
+        budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * MEMORY_SHARE
+    fit = max(1, int(budget // max(per_client, 1)))
+    return min(1 << (fit.bit_length() - 1), MAX_CLIENTS_CAP)
 
 
 def model_blocker(model: nn.Module) -> str | None:
@@ -98,23 +142,6 @@ def leaf_key(leaf: Any) -> tuple:
     return ("value", leaf)
 
 
-class _Stacked:
-    """Tensors of a group indexed by name or leaf position: stacked [K, ...] where clients differ,
-    shared (passed once, vmap in_dims None) where every client holds the very same tensor."""
-
-    def __init__(self, per_client: list[dict[Any, torch.Tensor]], device: torch.device,
-                 dtypes: dict[Any, torch.dtype] | None = None) -> None:
-        self.batched: dict[Any, torch.Tensor] = {}
-        self.shared: dict[Any, torch.Tensor] = {}
-        for key in per_client[0]:
-            tensors = [values[key] for values in per_client]
-            dtype = dtypes[key] if dtypes else tensors[0].dtype
-            if all(t is tensors[0] for t in tensors):
-                self.shared[key] = tensors[0].detach().to(device, dtype)
-            else:
-                self.batched[key] = torch.stack([t.detach().to(device, dtype) for t in tensors])
-
-
 class VectorizedRuntime:
     """All pending Fit requests of a step as batched torch.func computations (see module doc)."""
     name = "vectorized"
@@ -122,7 +149,8 @@ class VectorizedRuntime:
     def __init__(self, build: Callable[[], nn.Module], settings: TrainSettings, data: FederatedData,
                  threads: int | None = None, device: str | torch.device = "cpu",
                  builds: Mapping[Hashable, Callable[[], nn.Module]] | None = None,
-                 model_keys: Sequence[Hashable] | None = None) -> None:
+                 model_keys: Sequence[Hashable] | None = None, step: str = "auto",
+                 max_clients: int | None = None) -> None:
         self.threads = threads
         self.settings, self.data = settings, data
         self.device = torch.device(device)
@@ -145,17 +173,28 @@ class VectorizedRuntime:
         self.jobs_sequential = 0
         self._pool: tuple[torch.Tensor, torch.Tensor] | None = None  # see _training_pool
         self.pool_offsets: list[int] = []
+        self.step_kind = step_kind(step, self.device, settings.precision, self.dropout)
+        self.max_clients = max_clients or default_max_clients(self.model, self.device)
+        self.workspaces: list[tuple[tuple, tuple[ChunkTensors, StepShapes]]] = []  # see _workspace
+        if self.step_kind != "eager":
+            self._note("step", f"each lock-step {'replays a CUDA graph' if self.step_kind == 'graphs' else 'runs'} "
+                               f"per (members, batch size) shape, members padded to powers of two; at most "
+                               f"{self.max_clients} clients train together")
 
     # ------------------------------------------------------------------ training
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
-        with thread_count(self.threads):
-            return self._fit_all(jobs)
+        return dict(self.fit_stream(list(jobs)))
 
     def fit_stream(self, jobs: list[FitJob]):
-        """One batched computation: every result is ready at once (then the jobs are let go)."""
-        outcomes = self.fit_many(jobs)
+        """Chunk by chunk (at most `max_clients` consecutive clients, in client order): each
+        chunk's results are handed out before the next chunk trains, so memory stays flat in the
+        number of clients. The jobs are let go as they are taken."""
+        pending = list(jobs)
         jobs.clear()
-        yield from outcomes.items()
+        for start in range(0, len(pending), self.max_clients):
+            with thread_count(self.threads):
+                outcomes = self._fit_all(pending[start:start + self.max_clients])
+            yield from outcomes.items()
 
     def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         outcomes: dict[int, FitOutcome] = {}
@@ -186,9 +225,9 @@ class VectorizedRuntime:
                            "tensors (Fit.extra) or a training subset (Fit.samples), which the batched "
                            "trainer does not run", outcomes)
         plain = [job for job in jobs if not _needs_trainer(job.request)]
-        for group in self._groups(plain):
+        for key, group in self._groups(plain):
             try:
-                outcomes.update(self._fit_group(group))
+                outcomes.update(self._fit_group(key, group))
             except Exception as err:  # the loss (or model) does not run under vmap
                 name = _loss_name(group[0].request.loss)
                 reason = f"the loss {name} cannot run under torch.vmap ({type(err).__name__}: {_first_sentence(err)})"
@@ -197,8 +236,8 @@ class VectorizedRuntime:
                 self.jobs_vectorized += len(group)
         return {job.cid: outcomes[job.cid] for job in jobs}
 
-    def _groups(self, jobs: list[FitJob]) -> list[list[FitJob]]:
-        """Jobs that one batched function can train, in first-seen order."""
+    def _groups(self, jobs: list[FitJob]) -> list[tuple[tuple, list[FitJob]]]:
+        """(key, jobs) of the jobs one batched function can train, in first-seen order."""
         groups: list[tuple[tuple, list[FitJob]]] = []
         for job in jobs:
             request = job.request
@@ -211,7 +250,7 @@ class VectorizedRuntime:
                     break
             else:
                 groups.append((key, [job]))
-        return [members for _, members in groups]
+        return groups
 
     def _note(self, category: str, text: str) -> None:
         """Print `text` the first time `category` comes up in this run."""
@@ -230,23 +269,60 @@ class VectorizedRuntime:
         client = self.data.clients[cid]
         return self.sequential.device_data.get(cid, "train", client.x_train, client.y_train)
 
-    def _fit_group(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+    def _fit_group(self, key: tuple, jobs: list[FitJob]) -> dict[int, FitOutcome]:
+        """One group of at most `max_clients` jobs in lock-step (engine/runtimes/lockstep.py)."""
         jobs, schedules = self._ordered_schedules(jobs)
-        state = self._stack_group(jobs)
         request = jobs[0].request
-        step = vmap(grad_and_value(self._loss_fn(request.loss, *state["context_layout"])),
-                    in_dims=(0, 0, None, 0, 0, 0, 0, None), randomness="different" if self.dropout else "error")
+        bucketed = self.step_kind in ("bucketed", "graphs")
+        capacity = member_bucket(len(jobs), self.max_clients) if bucketed else len(jobs)
+        chunk, context_layout = self._stack_group(jobs, capacity)
         if self.dropout:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
-                                  "client's masks from its own generator, the sequential trainer from a per-job seed; not "
-                                  "the same masks, so results agree in distribution, not bit for bit")
-        x_all, y_all = self._training_pool()
-        totals = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
-        for groups in self._step_plan(jobs, schedules):
-            for members, rows, pool_rows in groups:
-                batch = (x_all[pool_rows], y_all[pool_rows], rows)  # one gather per step and batch size
-                self._train_members(step, state, members, batch, request_lr(request, self.settings), totals)
-        return self._outcomes(jobs, state, schedules, totals.cpu())
+                                  "client's masks from its own generator, the sequential trainer from a per-job "
+                                  "seed; not the same masks, so results agree in distribution, not bit for bit")
+        pool = self._training_pool()
+        offsets = [self.pool_offsets[job.cid] for job in jobs]
+        if not bucketed:
+            step, update = self._step_functions(request, context_layout)
+            for members, pool_rows, rows in step_plan(schedules, offsets, self.device, None, capacity):
+                train_members(step, update, chunk, pool, members, pool_rows, rows)
+            return self._outcomes(jobs, chunk, schedules)
+        chunk, shapes = self._workspace(key, chunk, request, context_layout, pool)
+        for members, pool_rows, rows in step_plan(schedules, offsets, self.device,
+                                                  lambda k: member_bucket(k, capacity), capacity):
+            shapes(members, pool_rows, rows)
+        return self._outcomes(jobs, chunk, schedules)
+
+    def _step_functions(self, request, context_layout) -> tuple[Callable, Callable]:
+        """The batched gradient of the group's loss and its stacked SGD update."""
+        step = vmap(grad_and_value(self._loss_fn(request.loss, *context_layout)),
+                    in_dims=(0, 0, None, 0, 0, 0, 0, None), randomness="different" if self.dropout else "error")
+        update = functools.partial(stacked_sgd_step, self.settings, lr=request_lr(request, self.settings))
+        return step, update
+
+    def _workspace(self, key: tuple, fresh: ChunkTensors, request, context_layout, pool
+                   ) -> tuple[ChunkTensors, StepShapes]:
+        """The chunk tensors and step shapes kept for this group's kind (same loss, layout and
+        capacity): refilled with `fresh`'s values, so graphs captured in an earlier round replay
+        on them. The least recently used of more than `WORKSPACES` kinds is dropped."""
+        full_key = (key, fresh.layout())
+        for index, (known, (chunk, shapes)) in enumerate(self.workspaces):
+            if same(known, full_key):
+                self.workspaces.append(self.workspaces.pop(index))
+                chunk.refill(fresh)
+                return chunk, shapes
+        step, update = self._step_functions(request, context_layout)
+        graphs = self.step_kind == "graphs" and not self.dropout
+        run_step = functools.partial(self._run_step, step, update, fresh, pool)
+        shapes = StepShapes(run_step, fresh.capacity, self.device, graphs,
+                            note=functools.partial(self._note, "graph-capture"))
+        self.workspaces.append((full_key, (fresh, shapes)))
+        del self.workspaces[:-WORKSPACES]
+        return fresh, shapes
+
+    @staticmethod
+    def _run_step(step, update, chunk, pool, members, pool_rows, rows) -> None:
+        train_members(step, update, chunk, pool, members, pool_rows, rows)
 
     def _training_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every client's training rows, concatenated on the device once per run (client c's rows
@@ -262,34 +338,6 @@ class VectorizedRuntime:
             self._pool = (x.to(self.device), y.to(self.device))
         return self._pool
 
-    def _step_plan(self, jobs: list[FitJob], schedules: list[list[torch.Tensor]]):
-        """Per mini-batch step t, the groups of clients training at t with the same batch size:
-        (member positions, [k, B] rows in each client's training set, [k, B] rows of the pool),
-        built on the host and moved to the device in one transfer."""
-        layout, rows = [], []
-        for t in range(max((len(schedule) for schedule in schedules), default=0)):
-            by_size: dict[int, list[int]] = {}
-            for k, schedule in enumerate(schedules):
-                if t < len(schedule):  # clients whose batches have run out are skipped
-                    by_size.setdefault(len(schedule[t]), []).append(k)
-            for size, members in by_size.items():
-                layout.append((t, members, size))
-                rows.append(torch.stack([schedules[k][t] for k in members]).reshape(-1))
-        if not rows:
-            return []
-        offsets = torch.tensor([self.pool_offsets[job.cid] for job in jobs])
-        local = torch.cat(rows)
-        owner = torch.cat([torch.tensor(members).repeat_interleave(size) for _, members, size in layout])
-        both = torch.stack([local, local + offsets[owner]]).to(self.device)
-        plan: list[list] = [[] for _ in range(layout[-1][0] + 1)]
-        start = 0
-        for t, members, size in layout:
-            stop = start + len(members) * size
-            plan[t].append((members, both[0, start:stop].view(len(members), size),
-                            both[1, start:stop].view(len(members), size)))
-            start = stop
-        return plan
-
     def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
         """Each job's mini-batches (seeded as in LocalTrainer), jobs sorted by decreasing number of
         batches, then last batch size: the clients still training at a step, and those sharing a
@@ -302,70 +350,37 @@ class VectorizedRuntime:
                                              -len(schedules[job.cid][-1]) if schedules[job.cid] else 0))
         return jobs, [schedules[job.cid] for job in jobs]
 
-    def _stack_group(self, jobs: list[FitJob]) -> dict[str, Any]:
-        """Trainable parameters and momentum stacked [K, ...]; frozen parameters and context
-        tensors stacked or shared; the context's pytree layout with its non-tensor constants."""
+    def _stack_group(self, jobs: list[FitJob], capacity: int) -> tuple[ChunkTensors, tuple]:
+        """Trainable parameters and momentum stacked [capacity + 1, ...]; frozen parameters and
+        context tensors stacked or shared; the context's pytree layout with its non-tensor constants."""
         part = jobs[0].request.trainable
         trainable = [n for n in self.names if part == "all" or n.startswith(part + ".")]
         frozen = [n for n in self.names if n not in trainable]
-        params = {n: self._stacked_copy([job.request.params[n] for job in jobs], self.dtypes[n]) for n in trainable}
+        params = {n: stack_rows([job.request.params[n] for job in jobs], capacity, self.device, self.dtypes[n])
+                  for n in trainable}
         flat = [tree_flatten(job.request.context) for job in jobs]
         leaves, spec = flat[0]
         constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
-        return {
-            "params": params,
-            "momentum": self._stack_momentum(jobs, params) if self.settings.momentum else {},
-            "frozen": _Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], self.device, self.dtypes),
-            "context": _Stacked([{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants}
-                                 for client_leaves, _ in flat], self.device),
-            "context_layout": (spec, constants, len(leaves)),
-        }
+        chunk = ChunkTensors(
+            params, self._stack_momentum(jobs, params, capacity) if self.settings.momentum else {},
+            Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], capacity, self.device, self.dtypes),
+            Stacked([{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants}
+                     for client_leaves, _ in flat], capacity, self.device),
+            capacity, len(jobs))
+        return chunk, (spec, constants, len(leaves))
 
-    def _stacked_copy(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """[K, ...] copy of the clients' tensors on the device. The very same tensor for every
-        client (the global model FedAvg sends) crosses to the device once and is repeated there:
-        at 1,000 clients that is one FedAvgCNN transfer instead of 2.3 GB."""
-        first = tensors[0]
-        if all(t is first for t in tensors):
-            one = first.detach().to(self.device, dtype)
-            return one.unsqueeze(0).expand(len(tensors), *one.shape).clone()
-        return torch.stack([t.detach().to(self.device, dtype) for t in tensors])
-
-    def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Momentum buffers [K, ...]: each client's saved buffer (keep_optimizer_state), else zeros
-        (a zero buffer gives SGD's first step `buf = grad` exactly)."""
+    def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor], capacity: int
+                        ) -> dict[str, torch.Tensor]:
+        """Momentum buffers [capacity + 1, ...]: each client's saved buffer (keep_optimizer_state),
+        else zeros (a zero buffer gives SGD's first step `buf = grad` exactly)."""
         out = {}
         for n, stacked in params.items():
             saved = [(job.optimizer_state or {}).get(n) for job in jobs]
-            out[n] = (torch.zeros_like(stacked) if all(b is None for b in saved) else
-                      torch.stack([torch.zeros_like(stacked[k]) if b is None else b.to(self.device, stacked.dtype)
-                                   for k, b in enumerate(saved)]))
+            out[n] = torch.zeros_like(stacked)
+            if any(b is not None for b in saved):
+                stack_rows([torch.zeros_like(stacked[0]) if b is None else b for b in saved], capacity,
+                           self.device, stacked.dtype, out[n])
         return out
-
-    def _train_members(self, step, state: dict, members: list[int], batch: tuple[torch.Tensor, ...],
-                       lr: float, totals: torch.Tensor) -> None:
-        """One SGD step of the clients `members` (positions in the group) on their batches
-        (x, y, row indices), each stacked [k, B, ...]."""
-        xb, yb, rows = batch
-        frozen, context = state["frozen"], state["context"]
-        low, high = members[0], members[-1] + 1
-        contiguous = high - low == len(members)
-        if contiguous:  # views: the update lands in the stacked tensors directly
-            take = lambda tensors: {n: v[low:high] for n, v in tensors.items()}  # noqa: E731
-        else:
-            index = torch.tensor(members, device=self.device)
-            take = lambda tensors: {n: v.index_select(0, index) for n, v in tensors.items()}  # noqa: E731
-        params, momentum = take(state["params"]), take(state["momentum"])
-        grads, loss = step(params, take(frozen.batched), frozen.shared, xb, yb, rows, take(context.batched),
-                           context.shared)
-        self._sgd_step(params, grads, momentum, lr)
-        if contiguous:
-            totals[low:high] += loss.double()
-            return
-        for part, updated in (("params", params), ("momentum", momentum)):
-            for n, tensor in updated.items():
-                state[part][n].index_copy_(0, index, tensor)
-        totals.index_add_(0, index, loss.double())
 
     def _loss_fn(self, loss: Callable, spec, constants: dict[int, Any], num_leaves: int):
         """One client's loss as a function of (trainable, frozen batched, frozen shared, x, y,
@@ -385,48 +400,31 @@ class VectorizedRuntime:
             return loss(out, yb, live, tree_unflatten(leaves, spec))
         return client_loss
 
-    @torch.no_grad()
-    def _sgd_step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-                  momentum: dict[str, torch.Tensor], lr: float) -> None:
-        """torch.optim.SGD(foreach) after clip_grad_norm_, on [k, ...] tensors, k clients at once."""
-        s = self.settings
-        names = list(params)
-        weights = [params[n] for n in names]
-        updates = [grads[n] for n in names]
-        if s.grad_clip is not None:
-            k = weights[0].shape[0]
-            norms = torch.stack([torch.linalg.vector_norm(g.reshape(k, -1), dim=1) for g in updates])  # [T, k]
-            total = torch.linalg.vector_norm(norms, dim=0)
-            scale = torch.clamp(s.grad_clip / (total + 1e-6), max=1.0)
-            updates = [g * scale.view(k, *([1] * (g.dim() - 1))) for g in updates]
-        if s.weight_decay != 0:
-            updates = torch._foreach_add(updates, weights, alpha=s.weight_decay)
-        if s.momentum != 0:
-            buffers = [momentum[n] for n in names]
-            torch._foreach_mul_(buffers, s.momentum)
-            torch._foreach_add_(buffers, updates, alpha=1)  # dampening 0; zero buffer: first buf = grad
-            updates = buffers
-        torch._foreach_add_(weights, updates, alpha=-lr)
-
-    def _outcomes(self, jobs, state, schedules, totals) -> dict[int, FitOutcome]:
-        trained = {n: tensor.cpu() for n, tensor in state["params"].items()}
+    def _outcomes(self, jobs: list[FitJob], chunk: ChunkTensors, schedules) -> dict[int, FitOutcome]:
+        k = len(jobs)
+        # One host copy per tensor and chunk (copy=True: on a CPU the chunk's tensors are reused).
+        trained = {n: tensor[:k].to("cpu", copy=True) for n, tensor in chunk.params.items()}
         keep = self.settings.keep_optimizer_state and self.settings.momentum
-        momentum = {n: tensor.cpu() for n, tensor in state["momentum"].items()} if keep else {}
+        momentum = {n: tensor[:k].to("cpu", copy=True) for n, tensor in chunk.momentum.items()} if keep else {}
+        totals = chunk.totals[:k].cpu()
         out = {}
-        for k, job in enumerate(jobs):
-            result = {}
-            for n in self.names:
-                source = trained[n][k] if n in trained else job.request.params[n].detach().to("cpu", self.dtypes[n])
-                result[n] = source.clone(memory_format=torch.contiguous_format)
-            steps = len(schedules[k])
-            samples = sum(len(batch) for batch in schedules[k])
+        for row, job in enumerate(jobs):
+            # A trained tensor is its row of the chunk's host copy (contiguous; files written of
+            # it hold its own values only: run_files.compact_tensor), a frozen one a copy.
+            result = {n: trained[n][row] if n in trained else self._host_copy(job.request.params[n], n)
+                      for n in self.names}
+            steps = len(schedules[row])
+            samples = sum(len(batch) for batch in schedules[row])
             kept = None
             if keep:  # like LocalTrainer: trained tensors' buffers, the saved ones of frozen tensors
                 kept = dict(job.optimizer_state or {})
                 if steps:
-                    kept.update({n: m[k].clone(memory_format=torch.contiguous_format) for n, m in momentum.items()})
-            out[job.cid] = FitOutcome(result, None, float(totals[k]) / max(steps, 1), steps, samples, kept)
+                    kept.update({n: m[row] for n, m in momentum.items()})
+            out[job.cid] = FitOutcome(result, None, float(totals[row]) / max(steps, 1), steps, samples, kept)
         return out
+
+    def _host_copy(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor.detach().to("cpu", self.dtypes[name]).clone(memory_format=torch.contiguous_format)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
@@ -438,6 +436,7 @@ class VectorizedRuntime:
     def close(self) -> None:
         self.sequential.close()
         self._pool = None
+        self.workspaces.clear()
 
 
 def _needs_trainer(request) -> bool:
