@@ -1,20 +1,24 @@
 """Conformance: a pfedkit method beside PFLlib's, on the same clients (README.md beside this file).
 
-    python benchmarks/conformance/conformance.py export --split mnist_fedrema --seed 0 --out DIR
+    python benchmarks/conformance/conformance.py export --split mnist_fedrema --seed 0 --out DIR [--data-dir D]
     python benchmarks/conformance/conformance.py run --pfllib CHECKOUT --scratch SCRATCH \\
-        --split mnist_fedrema --method FedAvg --seeds 0 1 [--rounds R] [--side both|pfedkit|PFLlib]
+        --split mnist_fedrema --method FedAvg --seeds 0 1 [--rounds R] [--side both|pfedkit|PFLlib] \\
+        [--device cpu|cuda|cuda:N] [--data-dir D]
     python benchmarks/conformance/conformance.py curves --scratch SCRATCH --split mnist_fedrema \\
         --method FedAvg --seeds 0 1 --out docs/results/conformance/mnist_fedrema/FedAvg.csv
     python benchmarks/conformance/conformance.py row docs/results/conformance/mnist_fedrema/FedAvg.csv [--rounds R]
     python benchmarks/conformance/conformance.py mapping [--method FedAvg]
+    python benchmarks/conformance/conformance.py times LOG    # PFLlib's seconds per round in a log
 
 CHECKOUT is a PFLlib tree the user fetched (its system/ folder); nothing is written into it. SCRATCH
 (outside the repository) receives the exports, the stubs, PFLlib's working folders, the logs and
-pfedkit's run directories. Run from the repository root (the splits' data_dir is ../shared/datasets).
+pfedkit's run directories. Run from the repository root (the splits' data_dir is ../shared/datasets;
+--data-dir replaces it). --device is PFLlib's (-dev, -did); the pfedkit side runs as its config says.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from curves import TABLE_HEADER, compare, curve_frame, markdown_row, paired_last10, pfedkit_curve  # noqa: E402
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
 from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
-from pfllib_run import curve_from_log, run_pfllib  # noqa: E402
+from pfllib_run import curve_from_log, device_from_log, run_pfllib, time_costs_from_log  # noqa: E402
 
 
 def dataset_name(split: Split, seed: int) -> str:
@@ -34,13 +38,19 @@ def dataset_name(split: Split, seed: int) -> str:
     return f"{split.pfllib_dataset}_pfedkit_{split.name}_s{seed}"
 
 
-def export_split(split: Split, seed: int, out: Path) -> Path:
+def data_overrides(data_dir: Path | None) -> list[str]:
+    """The override that replaces the split's data_dir (none without one)."""
+    return [f"data_dir={data_dir.resolve()}"] if data_dir is not None else []
+
+
+def export_split(split: Split, seed: int, out: Path, data_dir: Path | None = None) -> Path:
     """pfedkit's partition of `split` under `seed`, in PFLlib's format at `out` (kept if complete)."""
     if (out / MANIFEST).is_file():
         return out
     from pfedkit.federation import resolve_partition
 
-    config, dataset, train_index, test_index = resolve_partition([str(split.config), f"seed={seed}"])
+    items = [str(split.config), f"seed={seed}", *data_overrides(data_dir)]
+    config, dataset, train_index, test_index = resolve_partition(items)
     return export_to_pfllib(out, dataset, train_index, test_index, config.to_dict())
 
 
@@ -52,16 +62,18 @@ def pfedkit_run_dir(scratch: Path, split: Split, method: Method, seed: int) -> P
     return scratch / "pfedkit-runs" / split.name / f"{method.label}-s{seed}"
 
 
-def run_pfllib_side(checkout: Path, scratch: Path, split: Split, method: Method, seed: int, rounds: int) -> int:
+def run_pfllib_side(checkout: Path, scratch: Path, split: Split, method: Method, seed: int, rounds: int,
+                    device: str = "cpu", data_dir: Path | None = None) -> int:
     name = dataset_name(split, seed)
-    export_split(split, seed, scratch / "run" / "dataset" / name)
-    arguments = pfllib_arguments(method, split, name, rounds, tag=f"{method.label}-s{seed}")
+    export_split(split, seed, scratch / "run" / "dataset" / name, data_dir)
+    arguments = pfllib_arguments(method, split, name, rounds, tag=f"{method.label}-s{seed}", device=device)
     return run_pfllib(checkout, scratch, seed, arguments, pfllib_log(scratch, split, method, seed))
 
 
-def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rounds: int) -> int:
+def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rounds: int,
+                     data_dir: Path | None = None) -> int:
     run_dir = pfedkit_run_dir(scratch, split, method, seed)
-    overrides = pfedkit_overrides(method, split, seed, rounds)
+    overrides = pfedkit_overrides(method, split, seed, rounds) + data_overrides(data_dir)
     overrides += [f"out_dir={run_dir.parent}", f"name={run_dir.name}"]
     command = [sys.executable, "-m", "pfedkit.cli", "run", str(split.config), *overrides]
     log = scratch / "logs" / split.name / f"pfedkit-{method.label}-s{seed}.log"
@@ -103,6 +115,7 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     export.add_argument("--split", choices=SPLITS, required=True)
     export.add_argument("--seed", type=int, default=0)
     export.add_argument("--out", type=Path, required=True)
+    export.add_argument("--data-dir", type=Path, help="the folder holding the datasets (default: the split's)")
     for name in ("run", "curves"):
         command = sub.add_parser(name)
         command.add_argument("--scratch", type=Path, required=True)
@@ -113,6 +126,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--pfllib", type=Path, help="a PFLlib checkout (needed unless --side pfedkit)")
     run.add_argument("--rounds", type=int, help="default: the split's committed rounds")
     run.add_argument("--side", choices=["both", "pfedkit", "PFLlib"], default="both")
+    run.add_argument("--device", default="cpu", help="PFLlib's device: cpu, cuda or cuda:N (default cpu)")
+    run.add_argument("--data-dir", type=Path, help="the folder holding the datasets (default: the split's)")
     sub.choices["curves"].add_argument("--out", type=Path, required=True)
     row = sub.add_parser("row", help="the table row of a curves file")
     row.add_argument("curves", type=Path)
@@ -120,6 +135,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     row.add_argument("--verdict", default="")
     mapping = sub.add_parser("mapping", help="print the option mapping")
     mapping.add_argument("--method", choices=METHODS)
+    times = sub.add_parser("times", help="PFLlib's own seconds per round in a log; a JSON line last")
+    times.add_argument("log", type=Path)
     return parser.parse_args(argv)
 
 
@@ -128,13 +145,35 @@ def command_run(ns: argparse.Namespace) -> int:
     rounds = ns.rounds or split.rounds
     if ns.side != "pfedkit" and ns.pfllib is None:
         raise SystemExit("--pfllib CHECKOUT is needed to run PFLlib's side (or give --side pfedkit)")
+    try:
+        pfllib_arguments(method, split, "check", rounds, "check", device=ns.device)
+    except ValueError as error:
+        raise SystemExit(f"--device: {error}") from None
     failures = 0
     for seed in ns.seeds:
         if ns.side in ("both", "PFLlib"):
-            failures += run_pfllib_side(ns.pfllib, ns.scratch.resolve(), split, method, seed, rounds) != 0
+            failures += run_pfllib_side(ns.pfllib, ns.scratch.resolve(), split, method, seed, rounds,
+                                        ns.device, ns.data_dir) != 0
         if ns.side in ("both", "pfedkit"):
-            failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds) != 0
+            failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds, ns.data_dir) != 0
     return 1 if failures else 0
+
+
+def command_times(ns: argparse.Namespace) -> int:
+    """Each round's time cost as PFLlib printed it, then one JSON line: the rounds, the device and the
+    mean without round 0 (PFLlib's own 'Average time cost per round'; round 0 pays the warm-up)."""
+    text = ns.log.read_text()
+    costs = time_costs_from_log(text)
+    if not costs:
+        print(f"{ns.log}: no 'time cost' line (PFLlib did not finish a round)", file=sys.stderr)
+        return 1
+    for rnd, seconds in enumerate(costs):
+        print(f"PFLlib round {rnd}: {seconds:.3f} s")
+    timed = costs[1:] or costs
+    print(json.dumps({"library": "PFLlib", "log": ns.log.name, "device": device_from_log(text),
+                      "round_seconds": [round(c, 3) for c in costs],
+                      "sec_per_round": round(sum(timed) / len(timed), 3)}))
+    return 0
 
 
 def command_row(ns: argparse.Namespace) -> int:
@@ -163,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.command == "row":
         return command_row(ns)
+    if ns.command == "times":
+        return command_times(ns)
     print(mapping_text(METHODS[ns.method] if ns.method else None))
     return 0
 

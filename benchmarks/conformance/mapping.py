@@ -52,6 +52,8 @@ class Method:
 SPLITS = {
     "mnist_fedrema": Split("mnist_fedrema", HERE / "mnist_fedrema.yaml", "MNIST", rounds=25),
     "cifar10_dir01": Split("cifar10_dir01", HERE / "cifar10_dir01.yaml", "Cifar10", rounds=25),
+    # `pfedkit bench`'s partition under PFLlib's loop, for PFLlib's time per round (the GPU anchor): no curves
+    "mnist_dir01_bench": Split("mnist_dir01_bench", HERE / "mnist_dir01_bench.yaml", "MNIST", rounds=3),
 }
 
 # The shared protocol. The split's own settings (clients, partition, E, B, lr) are in its YAML;
@@ -392,13 +394,20 @@ def read_split_config(split: Split) -> dict:
     return yaml.safe_load(split.config.read_text())
 
 
-def pfllib_arguments(method: Method, split: Split, dataset_name: str, rounds: int, tag: str) -> list[str]:
-    """main.py's arguments for one method on the exported split."""
+def pfllib_arguments(method: Method, split: Split, dataset_name: str, rounds: int, tag: str,
+                     device: str = "cpu") -> list[str]:
+    """main.py's arguments for one method on the exported split. `device`: "cpu", "cuda" or "cuda:N"
+    (PFLlib's -dev cuda with -did N, which main.py turns into CUDA_VISIBLE_DEVICES=N)."""
     config = read_split_config(split)
-    arguments = {"-data": dataset_name, "-m": "CNN", "-algo": method.pfllib, "-gr": rounds, "-dev": "cpu",
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device {device!r}: PFLlib runs on cpu, cuda or cuda:N")
+    arguments = {"-data": dataset_name, "-m": "CNN", "-algo": method.pfllib, "-gr": rounds, "-dev": kind,
                  "-nc": config["num_clients"], "-ncl": 10, "-jr": config["join_ratio"],
                  "-ls": config["local_epochs"], "-lbs": config["batch_size"], "-lr": config["lr"],
                  "-eg": 1, "-t": 1, "-go": tag}
+    if kind == "cuda":
+        arguments["-did"] = index or "0"
     arguments.update(method.pfllib_flags)
     return [str(item) for pair in arguments.items() for item in pair]
 

@@ -64,6 +64,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 ROUND = re.compile(r"Round number: (\d+)")
 ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+TIME_COST = re.compile(r"^-+ time cost -+ ([0-9.eE+-]+)\s*$")
+DEVICE = re.compile(r"^device = (\S+)\s*$")
 
 
 def prepare_scratch(scratch: Path) -> Path:
@@ -117,3 +119,15 @@ def curve_from_log(text: str, which: str = "last") -> dict[int, float]:
             blocks[current].append(float(match.group(1)))
     pick = 0 if which == "first" else -1
     return {rnd: values[pick] for rnd, values in blocks.items() if values}
+
+
+def time_costs_from_log(text: str) -> list[float]:
+    """PFLlib's own seconds per round from a log, in order: the '--- time cost --- s' line its servers
+    print after each round (round 0 first; the evaluation of the round is inside the time)."""
+    return [float(match.group(1)) for line in text.splitlines() if (match := TIME_COST.match(line))]
+
+
+def device_from_log(text: str) -> str | None:
+    """The device PFLlib ran on, from the arguments main.py prints (after it falls back from cuda to
+    cpu when CUDA is unavailable); None when the log has no such line."""
+    return next((match.group(1) for line in text.splitlines() if (match := DEVICE.match(line))), None)
