@@ -36,8 +36,10 @@ trainer draws its masks from torch's global RNG in client order, so no runtime c
 them; such runs agree in distribution only. bf16 runs under autocast inside vmap.
 
 Device: the run's `device` (one line says which; see engine/device.py). Fallbacks run the
-sequential trainer on the same device, and evaluation is the sequential runtime's (on the
-device; an algorithm's custom `predict` on the host).
+sequential trainer on the same device. Evaluation is batched across clients
+(runtimes/batched_eval.py: one forward per shared model, vmap over personalised ones), with the
+sequential evaluator for what it cannot take (custom `predict`, on the host; buffers; other
+architectures).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
                                     request_lr)
@@ -134,7 +137,7 @@ class VectorizedRuntime:
         self.dropout = dropout_layers(self.model)
         # The sequential trainer (on the same device) for the fallbacks, one per architecture. With
         # heterogeneous models only the clients whose builder is `build` are batched; the others
-        # train sequentially. Evaluation is the sequential runtime's (on the device too).
+        # train sequentially. Evaluation: see evaluate_many.
         self.sequential = SequentialRuntime(build, settings, data, threads=threads, builds=builds,
                                             model_keys=model_keys, device=self.device)
         self.trainers = self.sequential.trainers
@@ -145,6 +148,8 @@ class VectorizedRuntime:
         self.jobs_sequential = 0
         self._pool: tuple[torch.Tensor, torch.Tensor] | None = None  # see _training_pool
         self.pool_offsets: list[int] = []
+        self.batched_eval = BatchedEvaluator(build, data, self.device, self.sequential.evaluate_many,
+                                             batchable=self.batchable, note=self._note)
 
     # ------------------------------------------------------------------ training
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
@@ -430,13 +435,16 @@ class VectorizedRuntime:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        return self.sequential.evaluate_many(items)  # with the same threads and device
+        """Many clients per forward (BatchedEvaluator); the sequential evaluator for the rest."""
+        with thread_count(self.threads), torch.inference_mode():
+            return self.batched_eval.evaluate(items)
 
     def describe_devices(self) -> str:
         return describe_device(self.device)
 
     def close(self) -> None:
         self.sequential.close()
+        self.batched_eval.close()
         self._pool = None
 
 
