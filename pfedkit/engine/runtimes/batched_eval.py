@@ -230,13 +230,19 @@ class BatchedEvaluator:
         return functional_call(self.model, {**shared, **batched}, (x,))
 
     def _stack(self, params: list[Params]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """[k, ...] per tensor on the device, stacked on the host (one transfer per tensor); a
-        tensor every client holds (a shared body) is passed once."""
+        """[k, ...] per tensor on the device, stacked on the host (one transfer per tensor; from
+        page-locked memory to a GPU); a tensor every client holds (a shared body) is passed once."""
         batched, shared = {}, {}
         for name in self.names:
             tensors = [client[name] for client in params]
             if all(t is tensors[0] for t in tensors):
                 shared[name] = self._on_device(tensors[0], name)
+            elif self.device.type == "cuda" and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
+                # stacked into page-locked memory: the copy runs at full speed, asynchronously (the
+                # caching host allocator reuses the buffer only once its copy is done)
+                staging = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, pin_memory=True)
+                torch.stack([t.detach() for t in tensors], out=staging)
+                batched[name] = staging.to(self.device, self.dtypes[name], non_blocking=True)
             elif len({t.device for t in tensors}) == 1:
                 batched[name] = torch.stack([t.detach() for t in tensors]).to(self.device, self.dtypes[name])
             else:
