@@ -10,6 +10,14 @@ cases: one shared model (FedAvg's global model, every item the very same tensors
 personalised model per client (distinct tensor objects: views of 100 perturbed models). Printed per case: the best of `--repeats` seconds of each path
 (after a warm-up call, which also builds the batched path's test pool), and the largest
 differences (hits, relative loss sum) between the two paths.
+
+Measured (2026-11-28, model cnn, --threads 4 on the GPU machine, 1 on the CPU), seconds of one call:
+  H200, 1,000 clients x 20 rows:  shared 0.015 vs 1.25 per client (84x); personalised 0.24 vs 1.41 (6x)
+  H200, 10,000 clients x 10 rows: shared 0.26 vs 12.1 (47x); personalised 2.2 vs 12.4 (5.7x; the
+      host-to-device copy of 10,000 x 2.3 MB of parameters is most of it)
+  CPU (shared 2-core machine), 200 clients x 20 rows: shared 1.17 vs 0.83, personalised 0.97 vs 0.90:
+      no gain there (200-row batches of FedAvgCNN leave the cache that 20-row ones stay in)
+Largest differences in every case: hits 0, class hits 0, loss sums 1.5e-7 relative.
 """
 from __future__ import annotations
 

@@ -105,9 +105,10 @@ class BatchedEvaluator:
 
     def evaluate(self, items: list[EvalItem]) -> dict[int, ClientEval]:
         """Each item's model on its client's test split (call under torch.inference_mode)."""
-        batched = [item for item in items if self._batchable(item)]
+        batchable = [self._batchable(item) for item in items]
+        batched = [item for item, ok in zip(items, batchable) if ok]
         results = self._evaluate_batched(batched) if batched else {}
-        fallback = [item for item in items if item[0] not in results]
+        fallback = [item for item, ok in zip(items, batchable) if not ok or item[0] not in results]
         if fallback:
             results.update(self.per_client(fallback))
             self.items_per_client += len(fallback)
