@@ -20,7 +20,8 @@ from pfedkit.engine.trainer import FitJob
 from pfedkit.evaluation import ClientEval, classifier_row_norms
 
 
-EVAL_BLOCK = 128  # clients evaluated together (a runtime evaluates a block in parallel)
+EVAL_BLOCK = 128  # clients evaluated together (a runtime evaluates a block in parallel); a runtime's
+# `eval_block` attribute replaces it (vectorized: as many as it trains together, one batched evaluation)
 NEW_CLIENT_PURPOSE = "new-client"  # seeds of the new clients' choice and of their fine-tuning batches
 
 
@@ -98,8 +99,9 @@ class LocalClients:
         the models built for evaluation (a mix per client for APFL, an adapted copy for FedBABU)
         are held for one block at a time, not for every client at once."""
         evals, norms = {}, {}
-        for start in range(0, len(cids), EVAL_BLOCK):
-            block_evals, block_norms = self._evaluate_block(rnd, cids[start:start + EVAL_BLOCK], state, stats)
+        block = getattr(self.runtime, "eval_block", EVAL_BLOCK)  # vectorized: its chunk of clients
+        for start in range(0, len(cids), block):
+            block_evals, block_norms = self._evaluate_block(rnd, cids[start:start + block], state, stats)
             evals.update(block_evals)
             norms.update(block_norms)
         return evals, norms

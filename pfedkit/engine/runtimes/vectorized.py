@@ -44,8 +44,10 @@ trainer draws its masks from torch's global RNG in client order, so no runtime c
 them; such runs agree in distribution only. bf16 runs under autocast inside vmap.
 
 Device: the run's `device` (one line says which; see engine/device.py). Fallbacks run the
-sequential trainer on the same device, and evaluation is the sequential runtime's (on the
-device; an algorithm's custom `predict` on the host).
+sequential trainer on the same device. Evaluation is batched across clients
+(runtimes/batched_eval.py: one forward per shared model, vmap over personalised ones), with the
+sequential evaluator for what it cannot take (custom `predict`, on the host; buffers; other
+architectures).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
+from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
 from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, member_bucket, stack_rows,
                                                stacked_sgd_step, step_plan, train_members)
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
@@ -162,7 +165,7 @@ class VectorizedRuntime:
         self.dropout = dropout_layers(self.model)
         # The sequential trainer (on the same device) for the fallbacks, one per architecture. With
         # heterogeneous models only the clients whose builder is `build` are batched; the others
-        # train sequentially. Evaluation is the sequential runtime's (on the device too).
+        # train sequentially. Evaluation: see evaluate_many.
         self.sequential = SequentialRuntime(build, settings, data, threads=threads, builds=builds,
                                             model_keys=model_keys, device=self.device)
         self.trainers = self.sequential.trainers
@@ -176,10 +179,13 @@ class VectorizedRuntime:
         self.step_kind = step_kind(step, self.device, settings.precision, self.dropout)
         self.max_clients = max_clients or default_max_clients(self.model, self.device)
         self.workspaces: list[tuple[tuple, tuple[ChunkTensors, StepShapes]]] = []  # see _workspace
+        self.eval_block = self.max_clients  # clients the round loop hands to one evaluate_many
         if self.step_kind != "eager":
             self._note("step", f"each lock-step {'replays a CUDA graph' if self.step_kind == 'graphs' else 'runs'} "
                                f"per (members, batch size) shape, members padded to powers of two; at most "
                                f"{self.max_clients} clients train together")
+        self.batched_eval = BatchedEvaluator(build, data, self.device, self.sequential.evaluate_many,
+                                             batchable=self.batchable, note=self._note)
 
     # ------------------------------------------------------------------ training
     def fit_many(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
@@ -428,13 +434,16 @@ class VectorizedRuntime:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate_many(self, items: list[EvalItem]) -> dict[int, ClientEval]:
-        return self.sequential.evaluate_many(items)  # with the same threads and device
+        """Many clients per forward (BatchedEvaluator); the sequential evaluator for the rest."""
+        with thread_count(self.threads), torch.inference_mode():
+            return self.batched_eval.evaluate(items)
 
     def describe_devices(self) -> str:
         return describe_device(self.device)
 
     def close(self) -> None:
         self.sequential.close()
+        self.batched_eval.close()
         self._pool = None
         self.workspaces.clear()
 
