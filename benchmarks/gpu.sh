@@ -8,9 +8,11 @@
 #   tests   : the CUDA tests (tests/test_device.py, tests/test_gpu_backends.py; they skip without CUDA);
 #             PYTEST_ARGS adds pytest arguments, e.g. PYTEST_ARGS="-x -n 8" or "-k 'ray or vectorized'"
 #   bench   : s/round of sequential and vectorized on the GPU at 20, 100 and 1,000 clients
-#   lockstep: (issue 49) vectorized with CUDA graphs beside the eager step at 20 and 100 clients
-#             (Dirichlet 0.1), sequential at 100 (SEQ_ROUNDS, 2), graphs at 10,000 iid clients with
-#             their peak GPU memory beside 1,000 (memory flat in the number of clients)
+#   lockstep: (issue 49) vectorized with CUDA graphs beside the eager step (EAGER= skips it) at CLIENTS
+#             (20 100; Dirichlet 0.1), sequential at 100, graphs at MANY (1000 10000) iid clients with
+#             their peak GPU memory (memory flat in the number of clients); LOCKSTEP_ROUNDS (3) each
+#   (processes and ray: PARALLEL_ROUNDS (3), CLIENTS_PARALLEL (20 100), WORKERS_ON_ONE_GPU (1 2),
+#    GPU_SHARES (1 0.5: ray.gpus_per_worker))
 #   processes: s/round of the processes backend on GPUs (spawned workers) at 20 and 100 clients:
 #             1 worker on cuda:0, 2 workers on cuda:0, and one worker per GPU (device=cuda)
 #   ray     : s/round of the ray backend on GPUs at 20 and 100 clients: one actor per GPU, and
@@ -90,13 +92,14 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
 fi
 
 if [[ $WHAT == lockstep || $WHAT == all ]]; then
+  R=${LOCKSTEP_ROUNDS:-3}  # the same count for every line, so their final_acc compare too
   for clients in ${CLIENTS:-20 100}; do
-    bench --rounds 3 --backend vectorized --clients $clients device=cuda vectorized.step=graphs
-    bench --rounds 3 --backend vectorized --clients $clients device=cuda vectorized.step=eager
+    bench --rounds "$R" --backend vectorized --clients $clients device=cuda vectorized.step=graphs
+    [[ -n ${EAGER-1} ]] && bench --rounds "$R" --backend vectorized --clients $clients device=cuda vectorized.step=eager
   done
-  bench --rounds "${SEQ_ROUNDS:-2}" --backend sequential --clients 100 device=cuda
+  bench --rounds "$R" --backend sequential --clients 100 device=cuda
   for clients in ${MANY:-1000 10000}; do
-    bench --rounds 2 --backend vectorized --clients $clients partition.scheme=iid device=cuda vectorized.step=graphs
+    bench --rounds "$R" --backend vectorized --clients $clients partition.scheme=iid device=cuda vectorized.step=graphs
   done
 fi
 
@@ -104,17 +107,22 @@ if [[ $WHAT == processes || $WHAT == all ]]; then
   GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
   for clients in ${CLIENTS_PARALLEL:-20 100}; do
     scheme=$([ "$clients" -gt 100 ] && echo iid || echo dirichlet)
-    bench --rounds 3 --backend processes --workers 1 --clients $clients partition.scheme=$scheme device=cuda:0
-    bench --rounds 3 --backend processes --workers 2 --clients $clients partition.scheme=$scheme device=cuda:0
-    [ "$GPUS" -gt 1 ] && bench --rounds 3 --backend processes --workers "$GPUS" --clients $clients partition.scheme=$scheme device=cuda
+    for workers in ${WORKERS_ON_ONE_GPU:-1 2}; do
+      bench --rounds "${PARALLEL_ROUNDS:-3}" --backend processes --workers $workers --clients $clients \
+        partition.scheme=$scheme device=cuda:0
+    done
+    [ "$GPUS" -gt 1 ] && bench --rounds "${PARALLEL_ROUNDS:-3}" --backend processes --workers "$GPUS" \
+      --clients $clients partition.scheme=$scheme device=cuda
   done
 fi
 
 if [[ $WHAT == ray || $WHAT == all ]]; then
   for clients in ${CLIENTS_PARALLEL:-20 100}; do
     scheme=$([ "$clients" -gt 100 ] && echo iid || echo dirichlet)
-    bench --rounds 3 --backend ray --clients $clients partition.scheme=$scheme device=cuda
-    bench --rounds 3 --backend ray --clients $clients partition.scheme=$scheme device=cuda ray.gpus_per_worker=0.5
+    for share in ${GPU_SHARES:-1 0.5}; do
+      bench --rounds "${PARALLEL_ROUNDS:-3}" --backend ray --clients $clients partition.scheme=$scheme device=cuda \
+        ray.gpus_per_worker=$share
+    done
   done
 fi
 
