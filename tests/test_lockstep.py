@@ -16,7 +16,7 @@ from pfedkit.algorithms.fedprox import proximal_loss
 from pfedkit.config import load_config
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
-from pfedkit.engine.runtimes.lockstep import member_bucket, step_plan
+from pfedkit.engine.runtimes.lockstep import chunk_capacity, member_bucket, step_plan
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime, default_max_clients, step_kind
 from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
 from pfedkit.runs import prepare
@@ -60,9 +60,12 @@ def anchored_jobs(ops, rnd: int, cids, trainable: str, shift: float):
             for cid in cids]
 
 
-def test_member_buckets_are_powers_of_two_up_to_the_capacity():
+def test_member_buckets_are_powers_of_two_then_multiples_of_256_up_to_the_capacity():
     assert [member_bucket(k, 32) for k in (1, 2, 3, 4, 5, 17, 32)] == [1, 2, 4, 4, 8, 32, 32]
     assert member_bucket(9, 12) == 12 and member_bucket(3, 3) == 3
+    assert [member_bucket(k, 2048) for k in (200, 256, 257, 1100, 2000)] == [256, 256, 512, 1280, 2048]
+    # a chunk's rows: a power of two, so a run's last, smaller chunk reuses the tensors and graphs
+    assert [chunk_capacity(k, 2048) for k in (5, 1100, 1808, 2048)] == [8, 2048, 2048, 2048]
 
 
 def test_a_padded_plan_trains_each_batch_once_and_sends_sinks_to_pool_row_zero():

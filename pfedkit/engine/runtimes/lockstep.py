@@ -5,12 +5,13 @@ eagerly or replayed from a CUDA graph captured once per step shape (`StepShapes`
 Shapes. A step's shape is (members k, batch size b). Eagerly, any shape runs as it comes, and
 members that form a contiguous range of the stack are trained through views (no copies). With
 CUDA graphs each shape is captured once and replayed, so the shapes must repeat: k is padded up to
-the next power of two (at most the chunk's capacity) with *sink* members. A sink member points at
+the next power of two, or beyond 256 the next multiple of 256 (at most the chunk's capacity), with
+*sink* members. A sink member points at
 the extra last row of every stacked tensor (row `capacity`), trains on row 0 of the pool and writes
 only to that row; vmap computes each member on its own, so no client's numbers depend on the sinks.
 Batch sizes are never padded: the last, smaller batch of an epoch is a shape of its own, so no loss
 is masked and every loss computes exactly what it computes sequentially. A chunk of capacity C with
-batch size B thus captures at most (log2 C + 1) x B graphs, once for the run (the chunk's tensors
+batch size B thus captures at most (9 + C / 256) x B graphs, once for the run (the chunk's tensors
 are reused, round after round, at the addresses the graphs captured).
 
 The step itself: the members' rows are selected (views for a contiguous range, else
@@ -30,9 +31,23 @@ import torch
 from pfedkit.engine.trainer import TrainSettings
 
 
+FINE_ABOVE = 256  # members beyond this round up to a multiple of it, not to a power of two
+
+
 def member_bucket(k: int, capacity: int) -> int:
-    """Members of a graphed step: k rounded up to a power of two, at most `capacity`."""
+    """Members of a graphed step: k rounded up to a power of two up to FINE_ABOVE, to a multiple of
+    FINE_ABOVE beyond (at most 1/2 of sink work below it, at most FINE_ABOVE - 1 sinks above), at
+    most `capacity`."""
+    if k > FINE_ABOVE:
+        return min(-(-k // FINE_ABOVE) * FINE_ABOVE, capacity)
     return min(1 << max(k - 1, 0).bit_length(), capacity)
+
+
+def chunk_capacity(k: int, max_clients: int) -> int:
+    """Rows of a chunk's stacked tensors: k rounded up to a power of two, at most `max_clients`, so
+    that rounds with a few clients more or less (and a run's last, smaller chunk) reuse the same
+    tensors and graphs."""
+    return min(1 << max(k - 1, 0).bit_length(), max_clients)
 
 
 def stack_rows(tensors: Sequence[torch.Tensor], capacity: int, device: torch.device, dtype: torch.dtype,

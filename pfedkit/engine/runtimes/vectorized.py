@@ -69,8 +69,8 @@ from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
-from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, member_bucket, stack_rows,
-                                               stacked_sgd_step, step_plan, train_members)
+from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, chunk_capacity, member_bucket,
+                                               stack_rows, stacked_sgd_step, step_plan, train_members)
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
                                     request_lr)
@@ -182,7 +182,7 @@ class VectorizedRuntime:
         self.eval_block = self.max_clients  # clients the round loop hands to one evaluate_many
         if self.step_kind != "eager":
             self._note("step", f"each lock-step {'replays a CUDA graph' if self.step_kind == 'graphs' else 'runs'} "
-                               f"per (members, batch size) shape, members padded to powers of two; at most "
+                               f"per (members, batch size) shape, members padded with sink rows; at most "
                                f"{self.max_clients} clients train together")
         self.batched_eval = BatchedEvaluator(build, data, self.device, self.sequential.evaluate_many,
                                              batchable=self.batchable, note=self._note)
@@ -280,7 +280,7 @@ class VectorizedRuntime:
         jobs, schedules = self._ordered_schedules(jobs)
         request = jobs[0].request
         bucketed = self.step_kind in ("bucketed", "graphs")
-        capacity = member_bucket(len(jobs), self.max_clients) if bucketed else len(jobs)
+        capacity = chunk_capacity(len(jobs), self.max_clients) if bucketed else len(jobs)
         chunk, context_layout = self._stack_group(jobs, capacity)
         if self.dropout:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
