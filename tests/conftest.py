@@ -149,3 +149,36 @@ def tiny_params(seed: int = 0, dtype=None, activation: type[nn.Module] = nn.ReLU
         torch.manual_seed(seed)
         params = {k: v.detach().clone() for k, v in TinyNet(activation).named_parameters()}
     return {k: v.to(dtype) for k, v in params.items()} if dtype is not None else params
+
+
+class BatchNormNet(nn.Module):
+    """Linear + BatchNorm1d over digits' 64 features (the image model cnn_bn needs larger images):
+    a model with buffers, which the vectorized runtime's training and evaluation hand back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU())
+            self.head = nn.Sequential(nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def fit_reference(build, settings, data, jobs) -> dict:
+    """{cid: FitOutcome} of the sequential trainer for each job: what a runtime must give."""
+    from pfedkit.engine.trainer import LocalTrainer
+    trainer = LocalTrainer(build, settings)
+    return {job.cid: trainer.fit(job, data.clients[job.cid].x_train, data.clients[job.cid].y_train) for job in jobs}
+
+
+def assert_outcomes_close(got, want, atol=1e-5) -> None:
+    """The same clients, steps and samples; losses and host-side contiguous parameters within atol."""
+    assert set(got) == set(want)
+    for cid in want:
+        assert (got[cid].steps, got[cid].samples) == (want[cid].steps, want[cid].samples)
+        assert got[cid].mean_loss == pytest.approx(want[cid].mean_loss, abs=atol)
+        for name, tensor in want[cid].params.items():
+            assert got[cid].params[name].is_contiguous() and got[cid].params[name].device.type == "cpu"
+            torch.testing.assert_close(got[cid].params[name], tensor, atol=atol, rtol=0)

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from conftest import BatchNormNet
 from torch import nn
 
 import pfedkit
@@ -143,20 +144,6 @@ def test_items_with_predict_or_buffers_go_to_the_per_client_evaluator(digits):
     got = evaluate(evaluator, items)
     assert evaluator.items_per_client == 2 and evaluator.items_batched == 3 and calls
     assert_same_evals(got, sequential.evaluate_many(items))
-
-
-class BatchNormNet(nn.Module):
-    """Linear + BatchNorm1d (the image model cnn_bn needs images larger than digits' 8x8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.body = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU())
-            self.head = nn.Sequential(nn.Linear(16, 10))
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def test_batchnorm_model_is_evaluated_per_client_with_its_statistics(digits):

@@ -10,6 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from conftest import assert_outcomes_close, fit_reference
 
 import pfedkit
 from pfedkit.algorithms.fedprox import proximal_loss
@@ -18,7 +19,7 @@ from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.runtimes.lockstep import chunk_capacity, member_bucket, step_plan
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime, default_max_clients, step_kind
-from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
+from pfedkit.engine.trainer import FitJob, TrainSettings
 from pfedkit.runs import prepare
 
 BATCH = 16
@@ -34,20 +35,6 @@ def digits():
     prepared.runtime.close()
     yield prepared.data, prepared.simulation.algorithm.setup.ops
     torch.set_num_threads(previous)
-
-
-def reference(build, settings, data, jobs):
-    trainer = LocalTrainer(build, settings)
-    return {job.cid: trainer.fit(job, data.clients[job.cid].x_train, data.clients[job.cid].y_train) for job in jobs}
-
-
-def assert_outcomes_close(got, want, atol=1e-5):
-    assert set(got) == set(want)
-    for cid in want:
-        assert (got[cid].steps, got[cid].samples) == (want[cid].steps, want[cid].samples)
-        assert got[cid].mean_loss == pytest.approx(want[cid].mean_loss, abs=atol)
-        for name, tensor in want[cid].params.items():
-            torch.testing.assert_close(got[cid].params[name], tensor, atol=atol, rtol=0)
 
 
 def anchored_jobs(ops, rnd: int, cids, trainable: str, shift: float):
@@ -100,12 +87,12 @@ def test_bucketed_steps_match_the_sequential_trainer_round_after_round(trainable
     data, ops = digits
     runtime = VectorizedRuntime(ops.build, SETTINGS, data, threads=1, device="cpu", step="bucketed")
     first = anchored_jobs(ops, 1, range(7), trainable, 0.01)
-    assert_outcomes_close(runtime.fit_many(first), reference(ops.build, SETTINGS, data, first))
+    assert_outcomes_close(runtime.fit_many(first), fit_reference(ops.build, SETTINGS, data, first))
     (_, (chunk, shapes)), = runtime.workspaces
     assert chunk.capacity == 8 and any(k > 1 and k & (k - 1) == 0 for k, _ in shapes.shapes)
     prepared = len(shapes.shapes)
     second = anchored_jobs(ops, 2, [0, 2, 3, 4, 6], trainable, -0.02)
-    assert_outcomes_close(runtime.fit_many(second), reference(ops.build, SETTINGS, data, second))
+    assert_outcomes_close(runtime.fit_many(second), fit_reference(ops.build, SETTINGS, data, second))
     assert runtime.workspaces[0][1][1] is shapes and runtime.jobs_vectorized == 12
     assert len(shapes.shapes) >= prepared and shapes.captured == 0  # no graphs on a CPU
 
@@ -119,7 +106,7 @@ def test_chunks_of_max_clients_are_handed_on_before_the_next_trains(digits):
     assert sorted(got) == [0, 1] and runtime.jobs_vectorized == 2  # the first chunk only, so far
     got.update(stream)
     assert runtime.jobs_vectorized == 5
-    assert_outcomes_close(got, reference(ops.build, SETTINGS, data, jobs))
+    assert_outcomes_close(got, fit_reference(ops.build, SETTINGS, data, jobs))
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "ditto", "local"])
@@ -154,3 +141,20 @@ def test_default_chunk_is_a_power_of_two_that_shrinks_with_the_model():
     small, large = torch.nn.Linear(10, 10), torch.nn.Linear(2000, 2000)
     a, b = default_max_clients(small, torch.device("cpu")), default_max_clients(large, torch.device("cpu"))
     assert a & (a - 1) == 0 and b & (b - 1) == 0 and 1 <= b < a <= 4096
+
+
+def test_reused_chunks_never_write_into_the_callers_tensors(digits):
+    """Shared tensors (the same global body for every client, the same anchor) are copied into a
+    reused chunk's buffers; the next round's refill must not land in the previous round's inputs."""
+    data, ops = digits
+    runtime = VectorizedRuntime(ops.build, SETTINGS, data, threads=1, device="cpu", step="bucketed")
+    loss = partial(proximal_loss, mu=0.1)
+    rounds = [{n: t + shift for n, t in ops.initial_params().items()} for shift in (0.0, 0.05)]
+    kept = [{n: t.clone() for n, t in params.items()} for params in rounds]
+    for rnd, params in enumerate(rounds, start=1):
+        jobs = [FitJob(rnd, cid, 0, Fit(params, loss=loss, trainable="head", context={"anchor": params}), None)
+                for cid in range(4)]
+        assert_outcomes_close(runtime.fit_many(jobs), fit_reference(ops.build, SETTINGS, data, jobs))
+    assert len(runtime.workspaces) == 1  # the second round reused the first round's chunk
+    for params, copy in zip(rounds, kept):
+        assert all(torch.equal(params[n], copy[n]) for n in params)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BatchNormNet, assert_outcomes_close, fit_reference
 from torch import nn
 
 import pfedkit
@@ -19,7 +20,7 @@ from pfedkit.core.contract import Fit, Forward
 from pfedkit.core.seeds import torch_generator
 from pfedkit.engine.runtimes.vectorized import VectorizedRuntime
 from pfedkit.engine.state import read_checkpoint
-from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings
+from pfedkit.engine.trainer import FitJob, TrainSettings
 from pfedkit.engine.trainer import batch_schedule
 from pfedkit.runs import CHECKPOINT, prepare
 
@@ -50,21 +51,6 @@ def digits(one_thread):
     prepared = prepare(load_config({"dataset": "digits", "num_clients": 5, "seed": 1, "threads": 1}))
     prepared.runtime.close()
     return prepared.data, prepared.simulation.algorithm.setup.ops
-
-
-def reference(build, settings, data, jobs):
-    trainer = LocalTrainer(build, settings)
-    return {job.cid: trainer.fit(job, data.clients[job.cid].x_train, data.clients[job.cid].y_train) for job in jobs}
-
-
-def assert_outcomes_close(got, want, atol=1e-5):
-    assert set(got) == set(want)
-    for cid in want:
-        assert (got[cid].steps, got[cid].samples) == (want[cid].steps, want[cid].samples)
-        assert got[cid].mean_loss == pytest.approx(want[cid].mean_loss, abs=atol)
-        for name, tensor in want[cid].params.items():
-            assert got[cid].params[name].is_contiguous() and got[cid].params[name].device.type == "cpu"
-            torch.testing.assert_close(got[cid].params[name], tensor, atol=atol, rtol=0)
 
 
 # Every algorithm runs on every backend in tests/test_backends.py; here, methods whose whole state
@@ -119,7 +105,7 @@ def test_fit_many_matches_local_trainer_per_client(trainable, digits):
     got = runtime.fit_many(jobs)
     runtime.close()
     assert runtime.jobs_vectorized == 5 and runtime.jobs_sequential == 0
-    assert_outcomes_close(got, reference(ops.build, SETTINGS, data, jobs))
+    assert_outcomes_close(got, fit_reference(ops.build, SETTINGS, data, jobs))
 
 
 def test_each_requests_own_lr_is_used_as_the_sequential_trainer_uses_it(digits):
@@ -134,9 +120,9 @@ def test_each_requests_own_lr_is_used_as_the_sequential_trainer_uses_it(digits):
     got = runtime.fit_many(jobs)
     runtime.close()
     assert runtime.jobs_vectorized == 5
-    want = reference(ops.build, SETTINGS, data, jobs)
+    want = fit_reference(ops.build, SETTINGS, data, jobs)
     assert_outcomes_close(got, want)
-    config_lr = reference(ops.build, SETTINGS, data, [FitJob(1, 0, 0, Fit(init), None)])
+    config_lr = fit_reference(ops.build, SETTINGS, data, [FitJob(1, 0, 0, Fit(init), None)])
     assert not torch.equal(want[0].params["head.fc.weight"], config_lr[0].params["head.fc.weight"])  # lr acts
 
 
@@ -165,18 +151,6 @@ def test_batch_schedule_covers_epochs_and_exact_steps():
     assert batch_schedule(Fit({}, steps=3), settings, 20, torch_generator(0, 1, 2, "x")) == []
 
 
-class BatchNormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.body = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU())
-            self.head = nn.Sequential(nn.Linear(16, 10))
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
 def test_batchnorm_model_falls_back_with_one_message(digits, capsys):
     data, _ = digits
     model = BatchNormNet()
@@ -189,7 +163,7 @@ def test_batchnorm_model_falls_back_with_one_message(digits, capsys):
     out = capsys.readouterr().out
     assert out.count("falling back to the sequential trainer") == 1 and "BatchNorm" in out
     assert runtime.jobs_sequential == 6 and runtime.jobs_vectorized == 0
-    want = reference(BatchNormNet, SETTINGS, data, jobs)
+    want = fit_reference(BatchNormNet, SETTINGS, data, jobs)
     for cid, outcome in want.items():
         assert all(torch.equal(first[cid].params[n], outcome.params[n]) for n in outcome.params)
         assert all(torch.equal(first[cid].buffers[n], outcome.buffers[n]) for n in outcome.buffers)
@@ -217,7 +191,7 @@ def test_dropout_model_is_vectorized_with_one_note(digits, capsys):
     runtime.fit_many(jobs)
     out = capsys.readouterr().out
     assert out.count("uses dropout") == 1 and "falling back" not in out and runtime.jobs_vectorized == 6
-    assert_outcomes_close(got, reference(DropoutNet, SETTINGS, data, jobs))
+    assert_outcomes_close(got, fit_reference(DropoutNet, SETTINGS, data, jobs))
     noisy = VectorizedRuntime(partial(DropoutNet, 0.5), SETTINGS, data, device="cpu").fit_many(jobs)
     assert all(np.isfinite(outcome.mean_loss) for outcome in noisy.values())
 
@@ -239,7 +213,7 @@ def test_loss_that_vmap_cannot_run_falls_back_and_others_stay_vectorized(digits,
     out = capsys.readouterr().out
     assert out.count("falling back") == 1 and "branching_loss cannot run under torch.vmap" in out
     assert runtime.jobs_sequential == 2 and runtime.jobs_vectorized == 2
-    assert_outcomes_close(got, reference(ops.build, SETTINGS, data, jobs))
+    assert_outcomes_close(got, fit_reference(ops.build, SETTINGS, data, jobs))
 
 
 def test_bf16_runs_vectorized_close_to_sequential(digits):
@@ -250,7 +224,7 @@ def test_bf16_runs_vectorized_close_to_sequential(digits):
     runtime = VectorizedRuntime(ops.build, settings, data, device="cpu")
     got = runtime.fit_many(jobs)
     assert runtime.jobs_vectorized == 3
-    assert_outcomes_close(got, reference(ops.build, settings, data, jobs), atol=2e-2)
+    assert_outcomes_close(got, fit_reference(ops.build, settings, data, jobs), atol=2e-2)
 
 
 # Requests the batched trainer must run itself, never through its fallback: several Fits per round,

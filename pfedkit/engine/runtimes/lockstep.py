@@ -83,7 +83,9 @@ class Stacked:
             tensors = [values[key] for values in per_client]
             dtype = dtypes[key] if dtypes else tensors[0].dtype
             if all(t is tensors[0] for t in tensors):
-                self.shared[key] = tensors[0].detach().to(device, dtype)
+                # A copy even on the CPU: a reused chunk's buffers are written in later rounds,
+                # and this one must not be the caller's tensor (a global model, an anchor).
+                self.shared[key] = tensors[0].detach().to(device, dtype, copy=True)
             else:
                 self.batched[key] = stack_rows(tensors, capacity, device, dtype)
 
