@@ -182,3 +182,13 @@ def assert_outcomes_close(got, want, atol=1e-5) -> None:
         for name, tensor in want[cid].params.items():
             assert got[cid].params[name].is_contiguous() and got[cid].params[name].device.type == "cpu"
             torch.testing.assert_close(got[cid].params[name], tensor, atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests: the machine is shared, and threads do not change
+    what they compare. Modules use it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

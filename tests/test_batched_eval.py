@@ -24,17 +24,11 @@ SETTINGS = TrainSettings(local_epochs=1, batch_size=16, lr=0.05, seed=5)
 CLIENTS = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the machine is shared, and threads do not change what is compared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def digits(one_thread):
+def digits(one_torch_thread):
     """Digits over 6 clients of different test sizes, and the run's model operations."""
     prepared = prepare(load_config({"dataset": "digits", "num_clients": CLIENTS, "seed": 1, "threads": 1,
                                     "partition": {"scheme": "dirichlet", "alpha": 0.5}}))

@@ -27,14 +27,14 @@ SETTINGS = TrainSettings(local_epochs=2, batch_size=BATCH, lr=0.05, momentum=0.9
                          grad_clip=1.0, seed=5)
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(scope="module")
-def digits():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def digits(one_torch_thread):
     prepared = prepare(load_config({"dataset": "digits", "num_clients": 7, "seed": 1, "threads": 1}))
     prepared.runtime.close()
-    yield prepared.data, prepared.simulation.algorithm.setup.ops
-    torch.set_num_threads(previous)
+    return prepared.data, prepared.simulation.algorithm.setup.ops
 
 
 def anchored_jobs(ops, rnd: int, cids, trainable: str, shift: float):

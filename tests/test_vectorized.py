@@ -36,17 +36,11 @@ def run_config(tmp_path, algorithm: str, backend: str) -> dict:
             "partition": {"scheme": "dirichlet", "alpha": 0.5}, "fedprox": {"mu": 0.1}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the machine is shared, and threads do not change what is compared."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def digits(one_thread):
+def digits(one_torch_thread):
     """Digits over 5 clients of different sizes, and the run's model builder."""
     prepared = prepare(load_config({"dataset": "digits", "num_clients": 5, "seed": 1, "threads": 1}))
     prepared.runtime.close()
