@@ -6,9 +6,9 @@ Shapes. A step's shape is (members k, batch size b). Eagerly, any shape runs as 
 members that form a contiguous range of the stack are trained through views (no copies). With
 CUDA graphs each shape is captured once and replayed, so the shapes must repeat: k is padded up to
 the next power of two, or beyond 256 the next multiple of 256 (at most the chunk's capacity), with
-*sink* members. A sink member points at
-the extra last row of every stacked tensor (row `capacity`), trains on row 0 of the pool and writes
-only to that row; vmap computes each member on its own, so no client's numbers depend on the sinks.
+*sink* members. A sink member points at the extra last row of every stacked tensor (row
+`capacity`), trains on row 0 of the pool and writes only to that row; vmap computes each member on
+its own, so no client's numbers depend on the sinks.
 Batch sizes are never padded: the last, smaller batch of an epoch is a shape of its own, so no loss
 is masked and every loss computes exactly what it computes sequentially. A chunk of capacity C with
 batch size B thus captures at most (9 + C / 256) x B graphs, once for the run (the chunk's tensors
