@@ -289,3 +289,18 @@ def test_kl_term_has_the_gradient_of_cross_entropy_to_softmax_targets_pfllib_876
 def test_paired_differences_use_only_seeds_both_sides_completed():
     data = synthetic_curves({("pfedkit", 0): 0.9, ("pfedkit", 1): 0.8, ("PFLlib", 0): 0.6})
     assert curves.paired_last10(data, rounds=12) == {0: pytest.approx(30.0 * 7.5 / 12)}
+
+
+def test_a_method_whose_pfllib_rounds_are_one_training_in_is_shifted_onto_pfedkits_rounds(tmp_path):
+    """FedPHP: PFLlib's 'Round number: r' evaluates after r + 1 trainings, pfedkit's round r + 1;
+    the curves file holds PFLlib's rounds shifted by the method's pfllib_round_shift, others not."""
+    import conformance
+    split = mapping.SPLITS["mnist_fedrema"]
+    for label, shift in (("FedPHP", 1), ("FedAvg", 0)):
+        method = mapping.METHODS[label]
+        assert method.pfllib_round_shift == shift
+        log = conformance.pfllib_log(tmp_path, split, method, 0)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(PFLLIB_LOG)
+        got = conformance.collect_curves(tmp_path, split, method, [0])
+        assert dict(zip(got["round"], got["accuracy"])) == {0 + shift: 0.2, 1 + shift: 0.45}

@@ -92,7 +92,9 @@ def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int]
             frames.append(curve_frame("pfedkit", seed, pfedkit_curve(run_dir)))
         log = pfllib_log(scratch, split, method, seed)
         if log.is_file():
-            frames.append(curve_frame("PFLlib", seed, curve_from_log(log.read_text(), method.pfllib_evaluation)))
+            curve = curve_from_log(log.read_text(), method.pfllib_evaluation)
+            shifted = {rnd + method.pfllib_round_shift: accuracy for rnd, accuracy in curve.items()}
+            frames.append(curve_frame("PFLlib", seed, shifted))
     return pd.concat(frames, ignore_index=True)
 
 

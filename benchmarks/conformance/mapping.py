@@ -47,6 +47,9 @@ class Method:
     pfllib_evaluation: str = "last"   # which 'Averaged Test Accuracy' of a round block is the curve
     departures: tuple[str, ...] = ()  # what neither library's options remove
     pfllib_commit: str | None = None  # a PFLlib commit other than the table's that this row runs against
+    # PFLlib's 'Round number: r' block is pfedkit's round r + pfllib_round_shift (1 where PFLlib
+    # evaluates after the round's training, before the aggregation: its round 0 is one training in)
+    pfllib_round_shift: int = 0
 
 
 SPLITS = {
@@ -272,8 +275,9 @@ METHODS_I_II = (
                        "MMD's bandwidths 10, 15, 20, 50 (clientphp.py:93-130): kernel=pfllib",
                        "PFLlib evaluates after the clients' training and before the aggregation (serverphp.py:26-34), "
                        "the local models: evaluate_with=local. Its 'Round number: r' is after r + 1 trainings "
-                       "(round 0 is not the initial model), so PFLlib's round r is pfedkit's round r + 1: the "
-                       "row compares curves one round apart; the paper and the authors evaluate the HPM")),
+                       "(round 0 is not the initial model), so PFLlib's round r is pfedkit's round r + 1 "
+                       "(pfllib_round_shift=1: the curves file holds PFLlib's rounds so shifted); the paper and "
+                       "the authors evaluate the HPM"), pfllib_round_shift=1),
     Method("APPLE", "apple", "APPLE", {"apple.dr_lr": 0.001, "apple.mu": 0.1, "apple.scheduler": "cosine",
                                        "apple.decay_fraction": 1.0, "apple.constraint": "none",
                                        "apple.core_lr": "lr_times_clients", "apple.p_init": "uniform",
