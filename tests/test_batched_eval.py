@@ -61,7 +61,9 @@ def per_client(build, data):
 
 
 def batched(build, data, sequential, **options) -> BatchedEvaluator:
-    return BatchedEvaluator(build, data, torch.device("cpu"), sequential.evaluate_many, **options)
+    """Personalised models stacked under vmap on this CPU too (the GPU's path; off by default on a CPU)."""
+    return BatchedEvaluator(build, data, torch.device("cpu"), sequential.evaluate_many,
+                            **{"stack_personal": True, **options})
 
 
 def evaluate(evaluator: BatchedEvaluator, items: list) -> dict:
@@ -211,6 +213,7 @@ def test_forward_that_vmap_cannot_run_is_evaluated_per_client_with_one_note(digi
     base = {n: p.detach().clone() for n, p in BranchingNet().named_parameters()}
     items = [(cid, personalised(base, cid), None, None) for cid in range(CLIENTS)]
     runtime = VectorizedRuntime(BranchingNet, SETTINGS, data, threads=1)
+    runtime.batched_eval.stack_personal = True  # the GPU's path, which a CPU runtime leaves off
     got = runtime.evaluate_many(items)
     runtime.evaluate_many(items)
     assert capsys.readouterr().out.count("cannot run under torch.vmap") == 1
@@ -224,6 +227,17 @@ def run_config(tmp_path, algorithm: str, backend: str) -> dict:
     return {"algorithm": algorithm, "dataset": "digits", "num_clients": 5, "rounds": 2, "batch_size": 16,
             "lr": 0.05, "join_ratio": 0.8, "seed": 3, "threads": 1, "backend": backend,
             "out_dir": str(tmp_path / backend), "partition": {"scheme": "dirichlet", "alpha": 0.5}}
+
+
+def test_a_cpu_runtime_evaluates_personal_models_one_client_at_a_time(digits):
+    """On a CPU, vmap over personalised models is slower than one client at a time: the runtime's
+    evaluator leaves them to the per-client path and batches shared models only."""
+    data, ops = digits
+    init = ops.initial_params()
+    runtime = VectorizedRuntime(ops.build, SETTINGS, data, threads=1)
+    items = [(cid, personalised(init, cid) if cid % 2 else init, None, None) for cid in range(CLIENTS)]
+    assert_same_evals(runtime.evaluate_many(items), per_client(ops.build, data).evaluate_many(items))
+    assert runtime.batched_eval.items_batched == CLIENTS // 2 == runtime.batched_eval.items_per_client
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedper"])
