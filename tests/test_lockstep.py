@@ -91,10 +91,26 @@ def test_bucketed_steps_match_the_sequential_trainer_round_after_round(trainable
     (_, (chunk, shapes)), = runtime.workspaces
     assert chunk.capacity == 8 and any(k > 1 and k & (k - 1) == 0 for k, _ in shapes.shapes)
     prepared = len(shapes.shapes)
+    addresses = chunk_addresses(chunk, shapes)
     second = anchored_jobs(ops, 2, [0, 2, 3, 4, 6], trainable, -0.02)
     assert_outcomes_close(runtime.fit_many(second), fit_reference(ops.build, SETTINGS, data, second))
     assert runtime.workspaces[0][1][1] is shapes and runtime.jobs_vectorized == 12
     assert len(shapes.shapes) >= prepared and shapes.captured == 0  # no graphs on a CPU
+    # What a CUDA graph would read stayed where it was captured: refilled in place, never rebound.
+    assert {key: address for key, address in chunk_addresses(chunk, shapes).items() if key in addresses} == addresses
+
+
+def chunk_addresses(chunk, shapes) -> dict:
+    """The data addresses of every tensor a graphed step reads or writes: the chunk's stacked and
+    shared tensors, its loss sums, and each shape's static buffers."""
+    tensors = {("totals",): chunk.totals}
+    for part, named in (("params", chunk.params), ("momentum", chunk.momentum),
+                        ("frozen", {**chunk.frozen.batched, **chunk.frozen.shared}),
+                        ("context", {**chunk.context.batched, **chunk.context.shared})):
+        tensors.update({(part, key): tensor for key, tensor in named.items()})
+    for shape, (index, pool_rows, rows, _) in shapes.shapes.items():
+        tensors.update({("shape", shape, i): t for i, t in enumerate((index, pool_rows, rows))})
+    return {key: tensor.data_ptr() for key, tensor in tensors.items()}
 
 
 def test_chunks_of_max_clients_are_handed_on_before_the_next_trains(digits):
