@@ -99,7 +99,7 @@ class LocalClients:
         the models built for evaluation (a mix per client for APFL, an adapted copy for FedBABU)
         are held for one block at a time, not for every client at once."""
         evals, norms = {}, {}
-        block = getattr(self.runtime, "eval_block", EVAL_BLOCK)  # vectorized: its chunk of clients
+        block = getattr(self.runtime, "eval_block", None) or EVAL_BLOCK  # vectorized on a GPU: its chunk
         for start in range(0, len(cids), block):
             block_evals, block_norms = self._evaluate_block(rnd, cids[start:start + block], state, stats)
             evals.update(block_evals)

@@ -179,7 +179,9 @@ class VectorizedRuntime:
         self.step_kind = step_kind(step, self.device, settings.precision, self.dropout)
         self.max_clients = max_clients or default_max_clients(self.model, self.device)
         self.workspaces: list[tuple[tuple, tuple[ChunkTensors, StepShapes]]] = []  # see _workspace
-        self.eval_block = self.max_clients  # clients the round loop hands to one evaluate_many
+        # Clients the round loop hands to one evaluate_many: a chunk on a GPU (one batched
+        # evaluation); on a CPU the round loop's default (nothing gained, memory held).
+        self.eval_block = self.max_clients if self.device.type == "cuda" else None
         if self.step_kind != "eager":
             self._note("step", f"each lock-step {'replays a CUDA graph' if self.step_kind == 'graphs' else 'runs'} "
                                f"per (members, batch size) shape, members padded with sink rows; at most "
