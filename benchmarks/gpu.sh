@@ -9,7 +9,7 @@
 #             PYTEST_ARGS adds pytest arguments, e.g. PYTEST_ARGS="-x -n 8" or "-k 'ray or vectorized'"
 #   bench   : s/round of sequential and vectorized on the GPU at 20, 100 and 1,000 clients
 #   lockstep: (issue 49) vectorized with CUDA graphs beside the eager step (EAGER= skips it) at CLIENTS
-#             (20 100; Dirichlet 0.1), sequential at 100, graphs at MANY (1000 10000) iid clients with
+#             (20 100; Dirichlet 0.1), sequential at 100 (SEQUENTIAL= skips it), graphs at MANY (1000 10000) iid clients with
 #             their peak GPU memory (memory flat in the number of clients); LOCKSTEP_ROUNDS (3) each
 #   (processes and ray: PARALLEL_ROUNDS (3), CLIENTS_PARALLEL (20 100), WORKERS_ON_ONE_GPU (1 2),
 #    GPU_SHARES (1 0.5: ray.gpus_per_worker))
@@ -99,7 +99,7 @@ if [[ $WHAT == lockstep || $WHAT == all ]]; then
     bench --rounds "$R" --backend vectorized --clients $clients device=cuda vectorized.step=graphs
     [[ -n ${EAGER-1} ]] && bench --rounds "$R" --backend vectorized --clients $clients device=cuda vectorized.step=eager
   done
-  bench --rounds "$R" --backend sequential --clients 100 device=cuda
+  [[ -n ${SEQUENTIAL-1} ]] && bench --rounds "$R" --backend sequential --clients 100 device=cuda
   for clients in ${MANY:-1000 10000}; do
     bench --rounds "$R" --backend vectorized --clients $clients partition.scheme=iid device=cuda vectorized.step=graphs
   done
