@@ -128,6 +128,19 @@ def to_device(tree: Any, device: torch.device) -> Any:
     return tree_map(lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
+def pooled_rows(xs: list[torch.Tensor], ys: list[torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every client's rows of one split concatenated on `device` once (x, y), with the offset at
+    which client c's rows start: the rows of many clients are then one gather (a batched step's
+    batches, a batched evaluation's slices) instead of one indexing per client."""
+    offsets = [0]
+    for y in ys:
+        offsets.append(offsets[-1] + len(y))
+    x = torch.cat(xs) if xs else torch.empty(0)
+    y = torch.cat(ys) if ys else torch.empty(0, dtype=torch.long)
+    return x.to(device), y.to(device), offsets
+
+
 class DeviceData:
     """Clients' tensors copied to the device once, on first use (the identity on the CPU)."""
 

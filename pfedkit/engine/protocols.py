@@ -52,7 +52,8 @@ class Runtime(Protocol):
 
     It computes with the thread count it was built with (`pfedkit.build.run_threads`, which the
     round loop is given too); it may change the count inside its calls but restores it before it
-    returns or yields."""
+    returns or yields. Optional: an `eval_block` attribute (int, or None for the default) asks the
+    round loop for that many clients per `evaluate_many` (vectorized on a GPU: one batched chunk)."""
 
     def fit_stream(self, jobs: list[FitJob]) -> Iterator[tuple[int, FitOutcome]]:
         """(cid, outcome) in any order, as they are done; empties `jobs` as it hands them out, so

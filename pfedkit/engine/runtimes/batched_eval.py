@@ -43,6 +43,7 @@ from torch.func import functional_call, vmap
 
 from pfedkit.core.params import Params
 from pfedkit.data.federated import FederatedData
+from pfedkit.engine.device import pooled_rows
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.evaluation import EVAL_BATCH, ClientEval
 
@@ -155,13 +156,11 @@ class BatchedEvaluator:
         `offsets[c]`), and each client's test count per class on the host."""
         if self._pool is None:
             clients = self.data.clients
-            self.offsets = np.concatenate([[0], np.cumsum([client.n_test for client in clients])]).tolist()
-            x = torch.cat([client.x_test for client in clients])
-            y = torch.cat([client.y_test for client in clients])
-            owner = torch.repeat_interleave(torch.arange(len(clients)), torch.tensor([c.n_test for c in clients]))
-            totals = torch.bincount(owner * self.num_classes + y, minlength=len(clients) * self.num_classes)
-            self.class_totals = totals.view(len(clients), self.num_classes).numpy()
-            self._pool = (x.to(self.device), y.to(self.device))
+            ys = [client.y_test for client in clients]
+            x, y, self.offsets = pooled_rows([client.x_test for client in clients], ys, self.device)
+            self.class_totals = np.stack([torch.bincount(labels, minlength=self.num_classes).numpy()
+                                          for labels in ys]).reshape(len(clients), self.num_classes)
+            self._pool = (x, y)
         return self._pool
 
     def _on_device(self, tensor: torch.Tensor, name: str) -> torch.Tensor:

@@ -66,7 +66,7 @@ from pfedkit.core.params import unprefixed
 from pfedkit.core.seeds import torch_generator
 from pfedkit.core.threads import thread_count
 from pfedkit.data.federated import FederatedData
-from pfedkit.engine.device import describe_device
+from pfedkit.engine.device import describe_device, pooled_rows
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
 from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, chunk_capacity, member_bucket,
@@ -321,16 +321,12 @@ class VectorizedRuntime:
                 return chunk, shapes
         step, update = self._step_functions(request, context_layout)
         graphs = self.step_kind == "graphs" and not self.dropout
-        run_step = functools.partial(self._run_step, step, update, fresh, pool)
+        run_step = functools.partial(train_members, step, update, fresh, pool)
         shapes = StepShapes(run_step, fresh.capacity, self.device, graphs,
                             note=functools.partial(self._note, "graph-capture"))
         self.workspaces.append((full_key, (fresh, shapes)))
         del self.workspaces[:-WORKSPACES]
         return fresh, shapes
-
-    @staticmethod
-    def _run_step(step, update, chunk, pool, members, pool_rows, rows) -> None:
-        train_members(step, update, chunk, pool, members, pool_rows, rows)
 
     def _training_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every client's training rows, concatenated on the device once per run (client c's rows
@@ -338,12 +334,9 @@ class VectorizedRuntime:
         instead of one indexing per client (the cost that dominated a step on a GPU)."""
         if self._pool is None:
             clients = self.data.clients
-            self.pool_offsets = [0]
-            for client in clients:
-                self.pool_offsets.append(self.pool_offsets[-1] + client.n_train)
-            x = torch.cat([client.x_train for client in clients]) if clients else torch.empty(0)
-            y = torch.cat([client.y_train for client in clients]) if clients else torch.empty(0)
-            self._pool = (x.to(self.device), y.to(self.device))
+            x, y, self.pool_offsets = pooled_rows([c.x_train for c in clients], [c.y_train for c in clients],
+                                                  self.device)
+            self._pool = (x, y)
         return self._pool
 
     def _ordered_schedules(self, jobs: list[FitJob]) -> tuple[list[FitJob], list[list[torch.Tensor]]]:
