@@ -79,7 +79,9 @@ def main() -> None:
     data = synthetic_clients(args.clients, args.test_rows)
     build = partial(build_model, args.model, SHAPE, CLASSES)
     sequential = SequentialRuntime(build, TrainSettings(1, 10, 0.01), data, device=device)
-    evaluator = BatchedEvaluator(build, data, device, sequential.evaluate_many)
+    # stack_personal: the vmap path for personalised models on any device (a CPU runtime leaves it
+    # off, this measures what it would cost)
+    evaluator = BatchedEvaluator(build, data, device, sequential.evaluate_many, stack_personal=True)
     shared = {name: p.detach().clone() for name, p in build().named_parameters()}
     generator = torch.Generator().manual_seed(1)
     models = [{n: t + 0.01 * torch.randn(t.shape, generator=generator) for n, t in shared.items()}
