@@ -81,7 +81,7 @@ fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   eval "extra=(${PYTEST_ARGS:-})"  # shell words, so quotes group: PYTEST_ARGS="-k 'ray and not flower'"
   # the whole log in OUT_DIR as it comes (a step cut by a time limit still leaves what it printed)
-  $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" "${extra[@]}" tests/test_device.py tests/test_gpu_backends.py \
+  $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" "${extra[@]}" tests/test_device.py tests/test_gpu_backends.py tests/test_lockstep.py \
     2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -25
 fi
 

@@ -6,7 +6,7 @@ step plans, the host copies of each chunk's trained models, the server's running
 the replies, and evaluation. Issue 49 measured the 10,000-client round at 22.7 s on an H200
 (benchmarks/RESULTS.md); this shows, on any machine, which of its parts do not depend on the GPU.
 
-    python benchmarks/host_side_round.py --clients 10000 [--data-dir ../shared/datasets] [--max-clients 2048]
+    python benchmarks/host_side_round.py --clients 10000 [--data-dir ../shared/datasets] [--max-clients 2048] [--step eager]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from pfedkit.config import load_config
-from pfedkit.engine.runtimes import lockstep
+from pfedkit.engine.runtimes import lockstep, vectorized
 from pfedkit.runs import prepare
 
 
@@ -27,13 +27,16 @@ def main() -> None:
     parser.add_argument("--data-dir", default="../shared/datasets")
     parser.add_argument("--max-clients", type=int, default=2048)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--step", default="bucketed", choices=["bucketed", "eager"],
+                        help="bucketed: the CUDA graphs' path (kept chunks); eager: a CPU's default")
     args = parser.parse_args()
-    lockstep.StepShapes.__call__ = lambda self, *buffers: None  # no training computation
+    lockstep.StepShapes.__call__ = lambda self, *buffers: None  # no training computation (bucketed)
+    vectorized.train_members = lambda *arguments: None  # nor in the eager step
     with tempfile.TemporaryDirectory() as out:
         config = load_config({"dataset": "mnist", "data_dir": args.data_dir, "num_clients": args.clients,
                               "rounds": 2, "partition": {"scheme": "iid"}, "batch_size": 10, "lr": 0.005,
                               "backend": "vectorized", "out_dir": out,
-                              "vectorized": {"step": "bucketed", "max_clients": args.max_clients}})
+                              "vectorized": {"step": args.step, "max_clients": args.max_clients}})
         prepared = prepare(config)
         simulation = prepared.simulation
         simulation.run_round(prepared.state)  # the first round's one-off costs

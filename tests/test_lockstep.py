@@ -5,6 +5,7 @@ step is the CUDA graphs' twin (the same shapes, buffers and reuse, run eagerly);
 sequential trainer's results within the tolerance of tests/test_vectorized.py."""
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import numpy as np
@@ -18,7 +19,7 @@ from pfedkit.config import load_config
 from pfedkit.core.contract import Fit
 from pfedkit.core.errors import ConfigError
 from pfedkit.engine.runtimes.lockstep import chunk_capacity, member_bucket, step_plan
-from pfedkit.engine.runtimes.vectorized import VectorizedRuntime, default_max_clients, step_kind
+from pfedkit.engine.runtimes.vectorized import VectorizedRuntime, default_max_clients, host_copy, step_kind
 from pfedkit.engine.trainer import FitJob, TrainSettings
 from pfedkit.runs import prepare
 
@@ -125,6 +126,28 @@ def test_chunks_of_max_clients_are_handed_on_before_the_next_trains(digits):
     assert_outcomes_close(got, fit_reference(ops.build, SETTINGS, data, jobs))
 
 
+@pytest.mark.parametrize("step", ["eager", "bucketed"])
+def test_a_chunks_trained_models_are_let_go_before_the_next_chunk_trains(step, tmp_path, monkeypatch):
+    """Host memory flat in the clients: in a FedAvg round of 3 chunks, when a chunk starts training
+    nothing (runtime, round loop, aggregation) still holds the trained tensors of the chunk before."""
+    prepared = prepare(load_config({"dataset": "digits", "num_clients": 6, "rounds": 1, "threads": 1,
+                                    "backend": "vectorized", "out_dir": str(tmp_path),
+                                    "vectorized": {"step": step, "max_clients": 2}}))
+    runtime, chunks = prepared.runtime, []
+    fit_all = runtime._fit_all
+
+    def watched(jobs):
+        chunks.append([ref() is not None for ref in getattr(watched, "refs", [])])
+        outcomes = fit_all(jobs)
+        watched.refs = [weakref.ref(t) for outcome in outcomes.values() for t in outcome.params.values()]
+        return outcomes
+
+    monkeypatch.setattr(runtime, "_fit_all", watched)
+    prepared.simulation.run_round(prepared.state)
+    runtime.close()
+    assert len(chunks) == 3 and chunks[0] == [] and all(len(alive) > 0 and not any(alive) for alive in chunks[1:])
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "ditto", "local"])
 def test_bucketed_runs_give_the_sequential_metrics(algorithm, tmp_path, capsys):
     config = {"algorithm": algorithm, "dataset": "digits", "num_clients": 6, "rounds": 3, "batch_size": BATCH,
@@ -137,6 +160,19 @@ def test_bucketed_runs_give_the_sequential_metrics(algorithm, tmp_path, capsys):
     np.testing.assert_allclose(bucketed.metrics["accuracy"], sequential.metrics["accuracy"], atol=1e-4)
     out = capsys.readouterr().out
     assert "at most 4 clients train together" in out and "falling back" not in out
+
+
+def test_host_copies_are_page_locked_where_granted_and_plain_otherwise():
+    rows = torch.arange(12.0).reshape(3, 4)
+    plain, why = host_copy(rows, pinned=False)
+    assert why is None and not plain.is_pinned()
+    locked, why = host_copy(rows, pinned=True)
+    for copy in (plain, locked):
+        assert torch.equal(copy, rows) and copy.data_ptr() != rows.data_ptr()
+    if torch.cuda.is_available():
+        assert why is None and locked.is_pinned()
+    else:  # no accelerator: page-locking is refused, and the reason is given
+        assert "pin" in why and not locked.is_pinned()
 
 
 def test_step_kinds_and_their_refusals():

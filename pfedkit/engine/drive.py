@@ -95,6 +95,9 @@ def drive_clients(updates: dict[int, ClientUpdate], runtime: Runtime, rnd: int, 
             if keep_trained:
                 stats[job.cid]["trained"] = outcome.params  # the model after local training (eval_point)
             advance(job.cid, outcome.params, False)
+            # Not held while the runtime trains its next chunk: a chunk's trained models are one
+            # host buffer, kept alive by any one reply (vectorized runtime, issue 49).
+            del job, outcome
     return stats
 
 
@@ -104,6 +107,7 @@ def _in_client_order(jobs: dict[int, FitJob], stream: Iterable[tuple[int, Any]])
     turn = next(order, None)
     for cid, outcome in stream:
         early[cid] = outcome
+        del outcome  # see drive_clients: nothing here holds a result past its use
         while turn in early:
             yield jobs.pop(turn), early.pop(turn)
             turn = next(order, None)

@@ -56,9 +56,10 @@ def stack_rows(tensors: Sequence[torch.Tensor], capacity: int, device: torch.dev
     rows and the sink) when new; written into `out` when given (graphs keep their addresses). The
     very same tensor for every client (the global model FedAvg sends) crosses to the device once."""
     first = tensors[0]
-    if out is None:
-        out = torch.zeros((capacity + 1, *first.shape), dtype=dtype, device=device)
     k = len(tensors)
+    if out is None:  # rows 0..k-1 are written below: only the others are zeroed (each page touched once)
+        out = torch.empty((capacity + 1, *first.shape), dtype=dtype, device=device)
+        out[k:].zero_()
     if all(t is first for t in tensors):
         one = first.detach().to(device, dtype)
         out[:k].copy_(one.unsqueeze(0).expand(k, *one.shape))
@@ -73,10 +74,11 @@ def stack_rows(tensors: Sequence[torch.Tensor], capacity: int, device: torch.dev
 class Stacked:
     """Tensors of a chunk by name or leaf position: stacked [capacity + 1, ...] where clients differ
     (`batched`), passed once (`shared`, vmap in_dims None) where every client holds the very same
-    tensor."""
+    tensor. `into`: a kept Stacked of the same layout (`stacked_layout`), whose tensors take the
+    values in place (graphs keep their addresses) instead of new ones being allocated."""
 
     def __init__(self, per_client: list[dict[Any, torch.Tensor]], capacity: int, device: torch.device,
-                 dtypes: dict[Any, torch.dtype] | None = None) -> None:
+                 dtypes: dict[Any, torch.dtype] | None = None, into: Stacked | None = None) -> None:
         self.batched: dict[Any, torch.Tensor] = {}
         self.shared: dict[Any, torch.Tensor] = {}
         for key in per_client[0]:
@@ -85,13 +87,28 @@ class Stacked:
             if all(t is tensors[0] for t in tensors):
                 # A copy even on the CPU: a reused chunk's buffers are written in later rounds,
                 # and this one must not be the caller's tensor (a global model, an anchor).
-                self.shared[key] = tensors[0].detach().to(device, dtype, copy=True)
+                if into is None:
+                    self.shared[key] = tensors[0].detach().to(device, dtype, copy=True)
+                else:
+                    self.shared[key] = into.shared[key].copy_(tensors[0].detach())
             else:
-                self.batched[key] = stack_rows(tensors, capacity, device, dtype)
+                self.batched[key] = stack_rows(tensors, capacity, device, dtype,
+                                               None if into is None else into.batched[key])
 
     def layout(self) -> tuple:
         """What a captured graph depends on: which keys are stacked and which are shared."""
-        return tuple(sorted(map(repr, self.batched))), tuple(sorted(map(repr, self.shared)))
+        return _layout(self.batched, self.shared)
+
+
+def stacked_layout(per_client: list[dict[Any, torch.Tensor]]) -> tuple:
+    """The layout a `Stacked` of these tensors will have, found without stacking anything."""
+    first = per_client[0]
+    shared = [key for key in first if all(values[key] is first[key] for values in per_client)]
+    return _layout([key for key in first if key not in shared], shared)
+
+
+def _layout(batched, shared) -> tuple:
+    return tuple(sorted(map(repr, batched))), tuple(sorted(map(repr, shared)))
 
 
 class ChunkTensors:
@@ -109,18 +126,9 @@ class ChunkTensors:
     def layout(self) -> tuple:
         return self.capacity, tuple(self.params), tuple(self.momentum), self.frozen.layout(), self.context.layout()
 
-    def refill(self, newer: ChunkTensors) -> None:
-        """Take `newer`'s values (a chunk of the same layout) into these tensors, which stay at
-        their addresses for the captured graphs."""
-        for mine, theirs in ((self.params, newer.params), (self.momentum, newer.momentum),
-                             (self.frozen.batched, newer.frozen.batched),
-                             (self.context.batched, newer.context.batched)):
-            for key, tensor in theirs.items():
-                mine[key][:newer.k].copy_(tensor[:newer.k])
-        for mine, theirs in ((self.frozen.shared, newer.frozen.shared), (self.context.shared, newer.context.shared)):
-            for key, tensor in theirs.items():
-                mine[key].copy_(tensor)
-        self.k = newer.k
+    def restart(self, k: int) -> None:
+        """This chunk now holds `k` new clients (their values written in place): no losses summed yet."""
+        self.k = k
         self.totals.zero_()
 
 

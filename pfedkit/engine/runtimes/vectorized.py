@@ -70,7 +70,8 @@ from pfedkit.engine.device import describe_device, pooled_rows
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
 from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, chunk_capacity, member_bucket,
-                                               stack_rows, stacked_sgd_step, step_plan, train_members)
+                                               stack_rows, stacked_layout, stacked_sgd_step, step_plan,
+                                               train_members)
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
                                     request_lr)
@@ -179,6 +180,7 @@ class VectorizedRuntime:
         self.step_kind = step_kind(step, self.device, settings.precision, self.dropout)
         self.max_clients = max_clients or default_max_clients(self.model, self.device)
         self.workspaces: list[tuple[tuple, tuple[ChunkTensors, StepShapes]]] = []  # see _workspace
+        self.pin_host = self.device.type == "cuda"  # see _host_rows
         # Clients the round loop hands to one evaluate_many: a chunk on a GPU (one batched
         # evaluation); on a CPU the round loop's default (nothing gained, memory held).
         self.eval_block = self.max_clients if self.device.type == "cuda" else None
@@ -202,7 +204,8 @@ class VectorizedRuntime:
         for start in range(0, len(pending), self.max_clients):
             with thread_count(self.threads):
                 outcomes = self._fit_all(pending[start:start + self.max_clients])
-            yield from outcomes.items()
+            for cid in list(outcomes):  # held by the caller only: freed before the next chunk trains
+                yield cid, outcomes.pop(cid)
 
     def _fit_all(self, jobs: list[FitJob]) -> dict[int, FitOutcome]:
         outcomes: dict[int, FitOutcome] = {}
@@ -281,21 +284,20 @@ class VectorizedRuntime:
         """One group of at most `max_clients` jobs in lock-step (engine/runtimes/lockstep.py)."""
         jobs, schedules = self._ordered_schedules(jobs)
         request = jobs[0].request
-        bucketed = self.step_kind in ("bucketed", "graphs")
-        capacity = chunk_capacity(len(jobs), self.max_clients) if bucketed else len(jobs)
-        chunk, context_layout = self._stack_group(jobs, capacity)
+        pool = self._training_pool()
+        offsets = [self.pool_offsets[job.cid] for job in jobs]
         if self.dropout:
             self._note("dropout", f"the model uses dropout ({', '.join(self.dropout[:3])}): vmap draws each "
                                   "client's masks from its own generator, the sequential trainer from a per-job "
                                   "seed; not the same masks, so results agree in distribution, not bit for bit")
-        pool = self._training_pool()
-        offsets = [self.pool_offsets[job.cid] for job in jobs]
-        if not bucketed:
+        if self.step_kind == "eager":
+            chunk, context_layout = self._stack_group(jobs, len(jobs), self._chunk_parts(jobs))
             step, update = self._step_functions(request, context_layout)
-            for members, pool_rows, rows in step_plan(schedules, offsets, self.device, None, capacity):
+            for members, pool_rows, rows in step_plan(schedules, offsets, self.device, None, len(jobs)):
                 train_members(step, update, chunk, pool, members, pool_rows, rows)
             return self._outcomes(jobs, chunk, schedules)
-        chunk, shapes = self._workspace(key, chunk, request, context_layout, pool)
+        capacity = chunk_capacity(len(jobs), self.max_clients)
+        chunk, shapes = self._workspace(key, jobs, capacity, request, pool)
         for members, pool_rows, rows in step_plan(schedules, offsets, self.device,
                                                   lambda k: member_bucket(k, capacity), capacity):
             shapes(members, pool_rows, rows)
@@ -308,25 +310,28 @@ class VectorizedRuntime:
         update = functools.partial(stacked_sgd_step, self.settings, lr=request_lr(request, self.settings))
         return step, update
 
-    def _workspace(self, key: tuple, fresh: ChunkTensors, request, context_layout, pool
+    def _workspace(self, key: tuple, jobs: list[FitJob], capacity: int, request, pool
                    ) -> tuple[ChunkTensors, StepShapes]:
         """The chunk tensors and step shapes kept for this group's kind (same loss, layout and
-        capacity): refilled with `fresh`'s values, so graphs captured in an earlier round replay
-        on them. The least recently used of more than `WORKSPACES` kinds is dropped."""
-        full_key = (key, fresh.layout())
+        capacity), with the jobs' values written into the kept tensors: graphs captured in an
+        earlier round replay on them, and nothing is allocated. A new kind is stacked and kept; the
+        least recently used of more than `WORKSPACES` kinds is dropped."""
+        parts = self._chunk_parts(jobs)
+        full_key = (key, self._chunk_layout(parts, capacity))
         for index, (known, (chunk, shapes)) in enumerate(self.workspaces):
             if same(known, full_key):
                 self.workspaces.append(self.workspaces.pop(index))
-                chunk.refill(fresh)
+                self._stack_group(jobs, capacity, parts, into=chunk)
                 return chunk, shapes
+        chunk, context_layout = self._stack_group(jobs, capacity, parts)
         step, update = self._step_functions(request, context_layout)
         graphs = self.step_kind == "graphs" and not self.dropout
-        run_step = functools.partial(train_members, step, update, fresh, pool)
-        shapes = StepShapes(run_step, fresh.capacity, self.device, graphs,
+        run_step = functools.partial(train_members, step, update, chunk, pool)
+        shapes = StepShapes(run_step, capacity, self.device, graphs,
                             note=functools.partial(self._note, "graph-capture"))
-        self.workspaces.append((full_key, (fresh, shapes)))
+        self.workspaces.append((full_key, (chunk, shapes)))
         del self.workspaces[:-WORKSPACES]
-        return fresh, shapes
+        return chunk, shapes
 
     def _training_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every client's training rows, concatenated on the device once per run (client c's rows
@@ -351,36 +356,57 @@ class VectorizedRuntime:
                                              -len(schedules[job.cid][-1]) if schedules[job.cid] else 0))
         return jobs, [schedules[job.cid] for job in jobs]
 
-    def _stack_group(self, jobs: list[FitJob], capacity: int) -> tuple[ChunkTensors, tuple]:
-        """Trainable parameters and momentum stacked [capacity + 1, ...]; frozen parameters and
-        context tensors stacked or shared; the context's pytree layout with its non-tensor constants."""
+    def _chunk_parts(self, jobs: list[FitJob]) -> tuple[list[str], list[dict], list[dict], tuple]:
+        """Trainable names, each client's frozen parameters and tensor context leaves, and the
+        context's pytree layout with its non-tensor constants."""
         part = jobs[0].request.trainable
         trainable = [n for n in self.names if part == "all" or n.startswith(part + ".")]
-        frozen = [n for n in self.names if n not in trainable]
-        params = {n: stack_rows([job.request.params[n] for job in jobs], capacity, self.device, self.dtypes[n])
-                  for n in trainable}
+        frozen_names = [n for n in self.names if n not in trainable]
+        frozen = [{n: job.request.params[n] for n in frozen_names} for job in jobs]
         flat = [tree_flatten(job.request.context) for job in jobs]
         leaves, spec = flat[0]
         constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
-        chunk = ChunkTensors(
-            params, self._stack_momentum(jobs, params, capacity) if self.settings.momentum else {},
-            Stacked([{n: job.request.params[n] for n in frozen} for job in jobs], capacity, self.device, self.dtypes),
-            Stacked([{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants}
-                     for client_leaves, _ in flat], capacity, self.device),
-            capacity, len(jobs))
-        return chunk, (spec, constants, len(leaves))
+        context = [{i: leaf for i, leaf in enumerate(client_leaves) if i not in constants} for client_leaves, _ in flat]
+        return trainable, frozen, context, (spec, constants, len(leaves))
 
-    def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor], capacity: int
-                        ) -> dict[str, torch.Tensor]:
+    def _chunk_layout(self, parts: tuple, capacity: int) -> tuple:
+        """`ChunkTensors.layout()` of the chunk of these parts (`_chunk_parts`), without stacking."""
+        trainable, frozen, context, _ = parts
+        return (capacity, tuple(trainable), tuple(trainable) if self.settings.momentum else (),
+                stacked_layout(frozen), stacked_layout(context))
+
+    def _stack_group(self, jobs: list[FitJob], capacity: int, parts: tuple, into: ChunkTensors | None = None
+                     ) -> tuple[ChunkTensors, tuple]:
+        """The jobs' `_chunk_parts`: trainable parameters and momentum stacked [capacity + 1, ...],
+        frozen parameters and context tensors stacked or shared; and the context's pytree layout with
+        its non-tensor constants. `into`: a kept chunk of the same layout, written in place (and
+        returned)."""
+        trainable, frozen, context, context_layout = parts
+        params = {n: stack_rows([job.request.params[n] for job in jobs], capacity, self.device, self.dtypes[n],
+                                None if into is None else into.params[n])
+                  for n in trainable}
+        momentum = (self._stack_momentum(jobs, params, capacity, None if into is None else into.momentum)
+                    if self.settings.momentum else {})
+        frozen_stack = Stacked(frozen, capacity, self.device, self.dtypes, None if into is None else into.frozen)
+        context_stack = Stacked(context, capacity, self.device, into=None if into is None else into.context)
+        if into is not None:
+            into.restart(len(jobs))
+            return into, context_layout
+        return ChunkTensors(params, momentum, frozen_stack, context_stack, capacity, len(jobs)), context_layout
+
+    def _stack_momentum(self, jobs: list[FitJob], params: dict[str, torch.Tensor], capacity: int,
+                        into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Momentum buffers [capacity + 1, ...]: each client's saved buffer (keep_optimizer_state),
         else zeros (a zero buffer gives SGD's first step `buf = grad` exactly)."""
         out = {}
         for n, stacked in params.items():
             saved = [(job.optimizer_state or {}).get(n) for job in jobs]
-            out[n] = torch.zeros_like(stacked)
+            out[n] = torch.zeros_like(stacked) if into is None else into[n]
             if any(b is not None for b in saved):
                 stack_rows([torch.zeros_like(stacked[0]) if b is None else b for b in saved], capacity,
                            self.device, stacked.dtype, out[n])
+            elif into is not None:
+                out[n][:len(jobs)].zero_()
         return out
 
     def _loss_fn(self, loss: Callable, spec, constants: dict[int, Any], num_leaves: int):
@@ -403,10 +429,9 @@ class VectorizedRuntime:
 
     def _outcomes(self, jobs: list[FitJob], chunk: ChunkTensors, schedules) -> dict[int, FitOutcome]:
         k = len(jobs)
-        # One host copy per tensor and chunk (copy=True: on a CPU the chunk's tensors are reused).
-        trained = {n: tensor[:k].to("cpu", copy=True) for n, tensor in chunk.params.items()}
+        trained = {n: self._host_rows(tensor[:k]) for n, tensor in chunk.params.items()}
         keep = self.settings.keep_optimizer_state and self.settings.momentum
-        momentum = {n: tensor[:k].to("cpu", copy=True) for n, tensor in chunk.momentum.items()} if keep else {}
+        momentum = {n: self._host_rows(tensor[:k]) for n, tensor in chunk.momentum.items()} if keep else {}
         totals = chunk.totals[:k].cpu()
         out = {}
         for row, job in enumerate(jobs):
@@ -423,6 +448,22 @@ class VectorizedRuntime:
                     kept.update({n: m[row] for n, m in momentum.items()})
             out[job.cid] = FitOutcome(result, None, float(totals[row]) / max(steps, 1), steps, samples, kept)
         return out
+
+    def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A chunk's trained rows on the host, one tensor per name and chunk, whose rows become the
+        replies. A CPU chunk of the eager step is new each time and is used as it is; a kept chunk
+        (written again by the next chunk) and a GPU chunk are copied. On a GPU the copy goes to
+        page-locked memory from PyTorch's caching host allocator: a faster transfer, and once the
+        round loop has let go of a chunk's replies the next chunk's copy reuses that memory instead
+        of faulting in gigabytes of fresh pages (the cost that grew with the clients, issue 49)."""
+        if self.device.type == "cpu":
+            return rows if self.step_kind == "eager" else rows.clone()
+        copy, refused = host_copy(rows, self.pin_host)
+        if refused:
+            self.pin_host = False
+            self._note("pinned", f"copying trained models to ordinary host memory: page-locked memory was "
+                                 f"refused ({refused})")
+        return copy
 
     def _host_copy(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor.detach().to("cpu", self.dtypes[name]).clone(memory_format=torch.contiguous_format)
@@ -441,6 +482,17 @@ class VectorizedRuntime:
         self.batched_eval.close()
         self._pool = None
         self.workspaces.clear()
+
+
+def host_copy(tensor: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, str | None]:
+    """`tensor` copied to host memory, page-locked when `pinned` and granted; and why it was not
+    (page-locking refused: no accelerator, a host short of memory, limits), else None."""
+    if pinned:
+        try:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor), None
+        except RuntimeError as err:
+            return tensor.to("cpu", copy=True), _first_sentence(err)
+    return tensor.to("cpu", copy=True), None
 
 
 def _needs_trainer(request) -> bool:
