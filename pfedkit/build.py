@@ -36,6 +36,7 @@ from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.simulate import Simulation
 from pfedkit.engine.trainer import TrainSettings
 from pfedkit.models import build_model, model_info
+from pfedkit.models.initial_weights import load_initial_weights, read_initial_weights
 from pfedkit.privacy.dp_sgd import batchnorm_to_groupnorm
 from pfedkit.privacy.setup import check_client_dp, check_sample_dp, client_dp_aggregation
 
@@ -52,12 +53,15 @@ def model_builder(config: Config, input_shape, num_classes: int, head: str, chan
     if "head" in options:  # the split is the run's, not one architecture's
         raise ConfigError("model_options.head: the body/head split is set by head_split (e.g. head_split=fc), "
                           "where the algorithm allows a choice")
+    weights = read_initial_weights(config.init_weights) if config.init_weights else None
 
     def build():
         # Every instance starts from the same seeded weights; the global RNG is left untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0, SERVER, "model-init"))
             model = build_model(name, tuple(input_shape), num_classes, head=head, **options)
+        if weights is not None:
+            model = load_initial_weights(model, weights, config.init_weights)
         if config.dp.level == "sample" and config.dp.replace_batchnorm:  # DP-SGD: no BatchNorm (docs/privacy.md)
             model = batchnorm_to_groupnorm(model)
         return model.to(memory_format=torch.channels_last) if channels_last else model
@@ -87,6 +91,9 @@ def architectures(config: Config, input_shape, num_classes: int, head: str, chan
     per_client = per_client_model_options(config)
     if per_client is None:
         return Architectures(build)
+    if config.init_weights:
+        raise ConfigError("init_weights holds one architecture's weights; with client_model_options the clients "
+                          "have several: leave one of the two out")
     builds = {architecture_key(config.model_options): build}
     keys = [architecture_key(options) for options in per_client]
     for key, options in zip(keys, per_client):
@@ -150,6 +157,8 @@ def build_algorithm(config: Config, input_shape, num_classes: int, train_counts:
     archs = architectures(config, input_shape, num_classes, head, channels_last)
     try:
         ops_by_key = {key: ModelOps(build) for key, build in (archs.builds or {None: archs.build}).items()}
+    except ConfigError:  # already says which option (init_weights)
+        raise
     except ValueError as err:  # a model option the model does not have, or a bad value
         raise ConfigError(f"model_options / client_model_options: {err}") from None
     ops = ops_by_key[None] if archs.builds is None else ops_by_key[architecture_key(config.model_options)]

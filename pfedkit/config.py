@@ -189,6 +189,10 @@ class Config(BaseModel):
     client_model_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description='heterogeneous models: {"0-6": {"c2": 18}, ...} merged over '
         "model_options for those clients (only algorithms that never average parameters)")
+    init_weights: str | None = Field(
+        None, description="a file of the model's initial weights (torch.save of {name: tensor}: every "
+        "parameter, named as the run's model names it, body.conv1.weight, or without body./head., "
+        "conv1.weight), read with weights_only; None: the seeded initialisation")
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     num_clients: int = Field(10, ge=1, description="clients the data is partitioned over")
     join_ratio: float = Field(1.0, gt=0, le=1, description="share of the clients taking part in each round")
