@@ -304,3 +304,49 @@ def test_a_method_whose_pfllib_rounds_are_one_training_in_is_shifted_onto_pfedki
         log.write_text(PFLLIB_LOG)
         got = conformance.collect_curves(tmp_path, split, method, [0])
         assert dict(zip(got["round"], got["accuracy"])) == {0 + shift: 0.2, 1 + shift: 0.45}
+
+
+# --- pfedkit from PFLlib's initial weights (--init pfllib) ------------------------------------
+
+FAKE_MODELS = '''import torch
+from torch import nn
+
+
+class FedAvgCNN(nn.Module):  # a stand-in of PFLlib's: each layer inside an nn.Sequential
+    def __init__(self, in_features=1, num_classes=10, dim=1024):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(in_features, 2, 3), nn.ReLU())
+        self.fc = nn.Linear(dim, num_classes)
+'''
+
+
+def test_pfllib_initial_weights_are_its_models_under_the_seed_named_as_pfedkit_names_layers(tmp_path):
+    import torch
+    from torch import nn
+
+    models = tmp_path / "checkout" / "system" / "flcore" / "trainmodel"
+    models.mkdir(parents=True)
+    (models / "models.py").write_text(FAKE_MODELS)
+    weights = {}
+    for seed in (0, 1):
+        out = pfllib_run.pfllib_initial_weights(tmp_path / "checkout", tmp_path / "scratch", seed, (3, 4, 8),
+                                                tmp_path / "init" / f"s{seed}.pt")
+        weights[seed] = torch.load(out, weights_only=True)
+        torch.manual_seed(seed)  # PFLlib's main.py: torch.manual_seed(0), shifted by the seed
+        conv, fc = nn.Conv2d(3, 2, 3), nn.Linear(8, 4)
+        expected = {"conv1.weight": conv.weight, "conv1.bias": conv.bias, "fc.weight": fc.weight, "fc.bias": fc.bias}
+        assert list(weights[seed]) == list(expected)
+        assert all(torch.equal(weights[seed][name], tensor) for name, tensor in expected.items())
+    assert not torch.equal(weights[0]["fc.weight"], weights[1]["fc.weight"])
+    assert pfllib_run.pfedkit_layer_name("fc1.0.weight") == "fc1.weight"
+
+
+def test_init_runs_have_their_own_directories_and_need_the_checkout(tmp_path):
+    import conformance
+    split, method = mapping.SPLITS["mnist_fedrema"], mapping.METHODS["FedAvg"]
+    plain = conformance.pfedkit_run_dir(tmp_path, split, method, 1)
+    init = conformance.pfedkit_run_dir(tmp_path, split, method, 1, "pfllib")
+    assert plain.name == "FedAvg-s1" and init.name == "FedAvg-pfllib-init-s1" and init.parent == plain.parent
+    with pytest.raises(SystemExit, match="--init pfllib reads PFLlib's initial weights"):
+        conformance.main(["run", "--scratch", str(tmp_path), "--split", "mnist_fedrema", "--method", "FedAvg",
+                          "--side", "pfedkit", "--init", "pfllib"])

@@ -3,7 +3,7 @@
     python benchmarks/conformance/conformance.py export --split mnist_fedrema --seed 0 --out DIR [--data-dir D]
     python benchmarks/conformance/conformance.py run --pfllib CHECKOUT --scratch SCRATCH \\
         --split mnist_fedrema --method FedAvg --seeds 0 1 [--rounds R] [--side both|pfedkit|PFLlib] \\
-        [--device cpu|cuda|cuda:N] [--data-dir D]
+        [--device cpu|cuda|cuda:N] [--data-dir D] [--init pfllib]
     python benchmarks/conformance/conformance.py curves --scratch SCRATCH --split mnist_fedrema \\
         --method FedAvg --seeds 0 1 --out docs/results/conformance/mnist_fedrema/FedAvg.csv
     python benchmarks/conformance/conformance.py row docs/results/conformance/mnist_fedrema/FedAvg.csv [--rounds R]
@@ -14,6 +14,8 @@ CHECKOUT is a PFLlib tree the user fetched (its system/ folder); nothing is writ
 (outside the repository) receives the exports, the stubs, PFLlib's working folders, the logs and
 pfedkit's run directories. Run from the repository root (the splits' data_dir is ../shared/datasets;
 --data-dir replaces it). --device is PFLlib's (-dev, -did); the pfedkit side runs as its config says.
+--init pfllib (run and curves, the pfedkit side): pfedkit starts from the very weights PFLlib's run of
+the seed starts from (config init_weights), in run directories of their own (METHOD-pfllib-init-sS).
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from curves import TABLE_HEADER, compare, curve_frame, markdown_row, paired_last10, pfedkit_curve  # noqa: E402
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
 from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
-from pfllib_run import curve_from_log, device_from_log, run_pfllib, time_costs_from_log  # noqa: E402
+from pfllib_run import (curve_from_log, device_from_log, pfllib_initial_weights, run_pfllib,  # noqa: E402
+                        time_costs_from_log)
 
 
 def dataset_name(split: Split, seed: int) -> str:
@@ -58,8 +61,9 @@ def pfllib_log(scratch: Path, split: Split, method: Method, seed: int) -> Path:
     return scratch / "logs" / split.name / f"PFLlib-{method.label}-s{seed}.log"
 
 
-def pfedkit_run_dir(scratch: Path, split: Split, method: Method, seed: int) -> Path:
-    return scratch / "pfedkit-runs" / split.name / f"{method.label}-s{seed}"
+def pfedkit_run_dir(scratch: Path, split: Split, method: Method, seed: int, init: str | None = None) -> Path:
+    variant = f"-{init}-init" if init else ""
+    return scratch / "pfedkit-runs" / split.name / f"{method.label}{variant}-s{seed}"
 
 
 def run_pfllib_side(checkout: Path, scratch: Path, split: Split, method: Method, seed: int, rounds: int,
@@ -71,12 +75,16 @@ def run_pfllib_side(checkout: Path, scratch: Path, split: Split, method: Method,
 
 
 def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rounds: int,
-                     data_dir: Path | None = None) -> int:
-    run_dir = pfedkit_run_dir(scratch, split, method, seed)
+                     data_dir: Path | None = None, checkout: Path | None = None, init: str | None = None) -> int:
+    run_dir = pfedkit_run_dir(scratch, split, method, seed, init)
     overrides = pfedkit_overrides(method, split, seed, rounds) + data_overrides(data_dir)
     overrides += [f"out_dir={run_dir.parent}", f"name={run_dir.name}"]
+    if init == "pfllib":
+        weights = pfllib_initial_weights(checkout, scratch, seed, split.pfllib_model,
+                                         scratch / "init" / f"{split.name}-s{seed}.pt")
+        overrides.append(f"init_weights={weights}")
     command = [sys.executable, "-m", "pfedkit.cli", "run", str(split.config), *overrides]
-    log = scratch / "logs" / split.name / f"pfedkit-{method.label}-s{seed}.log"
+    log = scratch / "logs" / split.name / f"pfedkit-{run_dir.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         out.write("# " + " ".join(command[2:]) + "\n")
@@ -84,10 +92,11 @@ def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rou
         return subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
 
 
-def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int]) -> pd.DataFrame:
+def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int], init: str | None = None
+                   ) -> pd.DataFrame:
     frames = []
     for seed in seeds:
-        run_dir = pfedkit_run_dir(scratch, split, method, seed)
+        run_dir = pfedkit_run_dir(scratch, split, method, seed, init)
         if (run_dir / "metrics.csv").is_file():
             frames.append(curve_frame("pfedkit", seed, pfedkit_curve(run_dir)))
         log = pfllib_log(scratch, split, method, seed)
@@ -124,6 +133,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         command.add_argument("--split", choices=SPLITS, required=True)
         command.add_argument("--method", choices=METHODS, required=True)
         command.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+        command.add_argument("--init", choices=["pfllib"], help="pfedkit starts from PFLlib's initial weights "
+                             "of each seed (its own run directories; run: needs --pfllib)")
     run = sub.choices["run"]
     run.add_argument("--pfllib", type=Path, help="a PFLlib checkout (needed unless --side pfedkit)")
     run.add_argument("--rounds", type=int, help="default: the split's committed rounds")
@@ -147,6 +158,8 @@ def command_run(ns: argparse.Namespace) -> int:
     rounds = ns.rounds or split.rounds
     if ns.side != "pfedkit" and ns.pfllib is None:
         raise SystemExit("--pfllib CHECKOUT is needed to run PFLlib's side (or give --side pfedkit)")
+    if ns.init and ns.pfllib is None:
+        raise SystemExit("--init pfllib reads PFLlib's initial weights: give --pfllib CHECKOUT")
     try:
         pfllib_arguments(method, split, "check", rounds, "check", device=ns.device)
     except ValueError as error:
@@ -157,7 +170,8 @@ def command_run(ns: argparse.Namespace) -> int:
             failures += run_pfllib_side(ns.pfllib, ns.scratch.resolve(), split, method, seed, rounds,
                                         ns.device, ns.data_dir) != 0
         if ns.side in ("both", "pfedkit"):
-            failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds, ns.data_dir) != 0
+            failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds, ns.data_dir,
+                                         ns.pfllib, ns.init) != 0
     return 1 if failures else 0
 
 
@@ -199,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         return command_run(ns)
     if ns.command == "curves":
         ns.out.parent.mkdir(parents=True, exist_ok=True)
-        collect_curves(ns.scratch, SPLITS[ns.split], METHODS[ns.method], ns.seeds).to_csv(
+        collect_curves(ns.scratch, SPLITS[ns.split], METHODS[ns.method], ns.seeds, ns.init).to_csv(
             ns.out, index=False, float_format="%.6f")
         return 0
     if ns.command == "row":

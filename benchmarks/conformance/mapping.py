@@ -35,6 +35,7 @@ class Split:
     config: Path             # the pfedkit config of the split and protocol (rounds overridable)
     pfllib_dataset: str      # PFLlib's -data prefix: its model choice reads it
     rounds: int              # the rounds of the committed table (the paper's, cut: README)
+    pfllib_model: tuple[int, int, int] = (1, 10, 1024)  # FedAvgCNN(in_features, num_classes, dim) main.py builds
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class Method:
 
 SPLITS = {
     "mnist_fedrema": Split("mnist_fedrema", HERE / "mnist_fedrema.yaml", "MNIST", rounds=25),
-    "cifar10_dir01": Split("cifar10_dir01", HERE / "cifar10_dir01.yaml", "Cifar10", rounds=25),
+    "cifar10_dir01": Split("cifar10_dir01", HERE / "cifar10_dir01.yaml", "Cifar10", rounds=25,
+                           pfllib_model=(3, 10, 1600)),
     # `pfedkit bench`'s partition under PFLlib's loop, for PFLlib's time per round (the GPU anchor): no curves
     "mnist_dir01_bench": Split("mnist_dir01_bench", HERE / "mnist_dir01_bench.yaml", "MNIST", rounds=3),
 }

@@ -62,6 +62,21 @@ sys.path.insert(0, system)
 sys.argv[0] = os.path.join(system, "main.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
+INITIAL_WEIGHTS = '''"""pfedkit conformance: save the FedAvgCNN PFLlib's main.py starts from under seed SEED.
+main.py seeds torch with 0 at import (seeded_main.py adds SEED) and draws nothing before building the
+model. Usage: python initial_weights.py PFLLIB_SYSTEM SEED IN_FEATURES NUM_CLASSES DIM OUT"""
+import sys
+
+import torch
+
+system, seed, in_features, num_classes, dim, out = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+sys.path.insert(0, system)
+from flcore.trainmodel.models import FedAvgCNN  # noqa: E402
+
+torch.manual_seed(0 + seed)
+model = FedAvgCNN(in_features=in_features, num_classes=num_classes, dim=dim)
+torch.save(dict(model.state_dict()), out)
+'''
 ROUND = re.compile(r"Round number: (\d+)")
 ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 TIME_COST = re.compile(r"^-+ time cost -+ ([0-9.eE+-]+)\s*$")
@@ -102,6 +117,34 @@ def run_pfllib(checkout: Path, scratch: Path, seed: int, arguments: list[str], l
         out.write("# " + " ".join(command[3:]) + "\n")
         out.flush()
         return subprocess.call(command, cwd=scratch / "run" / "system", env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def pfllib_initial_weights(checkout: Path, scratch: Path, seed: int, model: tuple[int, int, int], out: Path) -> Path:
+    """`out`: the weights PFLlib's run of `seed` starts from, built by the checkout's own FedAvgCNN
+    (`model`: in_features, num_classes, dim), under pfedkit's names (`conv1.0.weight` ->
+    `conv1.weight`, which config `init_weights` reads). Kept if present."""
+    if out.is_file():
+        return out
+    import torch
+
+    prepare_scratch(scratch)
+    script = scratch / "initial_weights.py"
+    write_text(script, INITIAL_WEIGHTS)
+    raw = out.with_suffix(".pfllib.pt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
+    system = Path(checkout).resolve() / "system"
+    subprocess.run([sys.executable, str(script), str(system), str(seed), *map(str, model), str(raw)],
+                   env=env, check=True)
+    weights = torch.load(raw, weights_only=True)
+    torch.save({pfedkit_layer_name(name): tensor for name, tensor in weights.items()}, out)
+    return out
+
+
+def pfedkit_layer_name(pfllib_name: str) -> str:
+    """PFLlib's FedAvgCNN keeps each layer in an nn.Sequential (`conv1.0.weight`); pfedkit names the
+    layer itself (`conv1.weight`): the numeric parts go."""
+    return ".".join(part for part in pfllib_name.split(".") if not part.isdigit())
 
 
 def curve_from_log(text: str, which: str = "last") -> dict[int, float]:
