@@ -126,12 +126,14 @@ def test_chunks_of_max_clients_are_handed_on_before_the_next_trains(digits):
     assert_outcomes_close(got, fit_reference(ops.build, SETTINGS, data, jobs))
 
 
-@pytest.mark.parametrize("step", ["eager", "bucketed"])
+@pytest.mark.parametrize("step", ["eager", "bucketed", pytest.param("graphs", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
 def test_a_chunks_trained_models_are_let_go_before_the_next_chunk_trains(step, tmp_path, monkeypatch):
     """Host memory flat in the clients: in a FedAvg round of 3 chunks, when a chunk starts training
     nothing (runtime, round loop, aggregation) still holds the trained tensors of the chunk before."""
+    device = {"device": "cuda"} if step == "graphs" else {}
     prepared = prepare(load_config({"dataset": "digits", "num_clients": 6, "rounds": 1, "threads": 1,
-                                    "backend": "vectorized", "out_dir": str(tmp_path),
+                                    "backend": "vectorized", "out_dir": str(tmp_path), **device,
                                     "vectorized": {"step": step, "max_clients": 2}}))
     runtime, chunks = prepared.runtime, []
     fit_all = runtime._fit_all
@@ -139,7 +141,9 @@ def test_a_chunks_trained_models_are_let_go_before_the_next_chunk_trains(step, t
     def watched(jobs):
         chunks.append([ref() is not None for ref in getattr(watched, "refs", [])])
         outcomes = fit_all(jobs)
-        watched.refs = [weakref.ref(t) for outcome in outcomes.values() for t in outcome.params.values()]
+        trained = [t for outcome in outcomes.values() for t in outcome.params.values()]
+        assert all(t.is_pinned() for t in trained) == (step == "graphs")  # a GPU's copies are page-locked
+        watched.refs = [weakref.ref(t) for t in trained]
         return outcomes
 
     monkeypatch.setattr(runtime, "_fit_all", watched)
