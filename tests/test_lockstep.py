@@ -89,7 +89,8 @@ def test_bucketed_steps_match_the_sequential_trainer_round_after_round(trainable
     runtime = VectorizedRuntime(ops.build, SETTINGS, data, threads=1, device="cpu", step="bucketed")
     first = anchored_jobs(ops, 1, range(7), trainable, 0.01)
     assert_outcomes_close(runtime.fit_many(first), fit_reference(ops.build, SETTINGS, data, first))
-    (_, (chunk, shapes)), = runtime.workspaces
+    (kind, (chunk, shapes)), = runtime.workspaces
+    assert kind[1] == chunk.layout()  # the layout found before stacking is the stacked chunk's
     assert chunk.capacity == 8 and any(k > 1 and k & (k - 1) == 0 for k, _ in shapes.shapes)
     prepared = len(shapes.shapes)
     addresses = chunk_addresses(chunk, shapes)
