@@ -350,3 +350,14 @@ def test_init_runs_have_their_own_directories_and_need_the_checkout(tmp_path):
     with pytest.raises(SystemExit, match="--init pfllib reads PFLlib's initial weights"):
         conformance.main(["run", "--scratch", str(tmp_path), "--split", "mnist_fedrema", "--method", "FedAvg",
                           "--side", "pfedkit", "--init", "pfllib"])
+
+
+def test_a_cut_pfedkit_run_is_resumed_and_a_finished_one_kept(tmp_path):
+    """Rerunning a row must not start NAME-2 beside a cut NAME whose curve would then be read."""
+    import conformance
+    run_dir = tmp_path / "FedAvg-s0"
+    assert conformance.pfedkit_command(run_dir, ["split.yaml", "seed=0"])[-3:] == ["run", "split.yaml", "seed=0"]
+    run_dir.mkdir()
+    assert conformance.pfedkit_command(run_dir, ["split.yaml", "seed=0"])[-3:] == ["run", "--resume", str(run_dir)]
+    (run_dir / "summary.json").write_text("{}")
+    assert conformance.pfedkit_command(run_dir, ["split.yaml", "seed=0"]) is None

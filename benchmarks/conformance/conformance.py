@@ -83,13 +83,28 @@ def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rou
         weights = pfllib_initial_weights(checkout, scratch, seed, split.pfllib_model,
                                          scratch / "init" / f"{split.name}-s{seed}.pt")
         overrides.append(f"init_weights={weights}")
-    command = [sys.executable, "-m", "pfedkit.cli", "run", str(split.config), *overrides]
+    command = pfedkit_command(run_dir, [str(split.config), *overrides])
+    if command is None:
+        print(f"{run_dir}: finished already (summary.json); kept")
+        return 0
     log = scratch / "logs" / split.name / f"pfedkit-{run_dir.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
+    with open(log, "a" if "--resume" in command else "w") as out:
         out.write("# " + " ".join(command[2:]) + "\n")
         out.flush()
         return subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def pfedkit_command(run_dir: Path, arguments: list[str]) -> list[str] | None:
+    """The pfedkit command of a run directory: None when the run finished (summary.json), a resume
+    of it from its last checkpoint when it was cut, else a new run. (A new run into an existing
+    directory would go to NAME-2, and the curves would be read from the cut one.)"""
+    cli = [sys.executable, "-m", "pfedkit.cli", "run"]
+    if (run_dir / "summary.json").is_file():
+        return None
+    if run_dir.is_dir():
+        return [*cli, "--resume", str(run_dir)]
+    return [*cli, *arguments]
 
 
 def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int], init: str | None = None
