@@ -327,6 +327,7 @@ def test_pfllib_initial_weights_are_its_models_under_the_seed_named_as_pfedkit_n
     models = tmp_path / "checkout" / "system" / "flcore" / "trainmodel"
     models.mkdir(parents=True)
     (models / "models.py").write_text(FAKE_MODELS)
+    (tmp_path / "checkout" / "system" / "main.py").write_text("")  # what makes a folder a PFLlib checkout
     weights = {}
     for seed in (0, 1):
         out = pfllib_run.pfllib_initial_weights(tmp_path / "checkout", tmp_path / "scratch", seed, (3, 4, 8),

@@ -102,15 +102,26 @@ def write_text(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def pfllib_system(checkout: Path) -> Path:
+    """The checkout's system/ folder; SystemExit when `checkout` is not a PFLlib tree."""
+    system = Path(checkout).resolve() / "system"
+    if not (system / "main.py").is_file():
+        raise SystemExit(f"{checkout}: not a PFLlib checkout (no system/main.py)")
+    return system
+
+
+def stubbed_environment(scratch: Path, **extra: str) -> dict[str, str]:
+    """This process's environment with the scratch folder's stubs first on PYTHONPATH."""
+    return dict(os.environ, **extra,
+                PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
+
+
 def run_pfllib(checkout: Path, scratch: Path, seed: int, arguments: list[str], log: Path) -> int:
     """Run main.py of `checkout` with `arguments` (mapping.pfllib_arguments) and the seed; its output
     goes to `log`. Returns the exit code."""
     launcher = prepare_scratch(scratch)
-    system = Path(checkout).resolve() / "system"
-    if not (system / "main.py").is_file():
-        raise SystemExit(f"{checkout}: not a PFLlib checkout (no system/main.py)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
+    system = pfllib_system(checkout)
+    env = stubbed_environment(scratch, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-u", str(launcher.resolve()), str(system), str(seed), *arguments]
     with open(log, "w") as out:
@@ -127,15 +138,14 @@ def pfllib_initial_weights(checkout: Path, scratch: Path, seed: int, model: tupl
         return out
     import torch
 
+    system = pfllib_system(checkout)
     prepare_scratch(scratch)
     script = scratch / "initial_weights.py"
     write_text(script, INITIAL_WEIGHTS)
     raw = out.with_suffix(".pfllib.pt")
     out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
-    system = Path(checkout).resolve() / "system"
     subprocess.run([sys.executable, str(script), str(system), str(seed), *map(str, model), str(raw)],
-                   env=env, check=True)
+                   env=stubbed_environment(scratch), check=True)
     weights = torch.load(raw, weights_only=True)
     torch.save({pfedkit_layer_name(name): tensor for name, tensor in weights.items()}, out)
     return out
