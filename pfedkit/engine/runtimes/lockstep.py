@@ -107,6 +107,12 @@ def stacked_layout(per_client: list[dict[Any, torch.Tensor]]) -> tuple:
     return _layout([key for key in first if key not in shared], shared)
 
 
+def chunk_layout(capacity: int, trainable, momentum, frozen: tuple, context: tuple) -> tuple:
+    """What a chunk's captured graphs depend on: its capacity, the names of its trainable tensors
+    and momentum buffers, and the layouts of its frozen and context tensors (`Stacked.layout`)."""
+    return capacity, tuple(trainable), tuple(momentum), frozen, context
+
+
 def _layout(batched, shared) -> tuple:
     return tuple(sorted(map(repr, batched))), tuple(sorted(map(repr, shared)))
 
@@ -124,7 +130,7 @@ class ChunkTensors:
         self.totals = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
 
     def layout(self) -> tuple:
-        return self.capacity, tuple(self.params), tuple(self.momentum), self.frozen.layout(), self.context.layout()
+        return chunk_layout(self.capacity, self.params, self.momentum, self.frozen.layout(), self.context.layout())
 
     def restart(self, k: int) -> None:
         """This chunk now holds `k` new clients (their values written in place): no losses summed yet."""

@@ -69,9 +69,9 @@ from pfedkit.data.federated import FederatedData
 from pfedkit.engine.device import describe_device, pooled_rows
 from pfedkit.engine.protocols import EvalItem
 from pfedkit.engine.runtimes.batched_eval import BatchedEvaluator
-from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, chunk_capacity, member_bucket,
-                                               stack_rows, stacked_layout, stacked_sgd_step, step_plan,
-                                               train_members)
+from pfedkit.engine.runtimes.lockstep import (ChunkTensors, Stacked, StepShapes, chunk_capacity, chunk_layout,
+                                               member_bucket, stack_rows, stacked_layout, stacked_sgd_step,
+                                               step_plan, train_members)
 from pfedkit.engine.runtimes.sequential import SequentialRuntime
 from pfedkit.engine.trainer import (FitJob, FitOutcome, TrainSettings, batch_schedule, precision_context,
                                     request_lr)
@@ -372,8 +372,8 @@ class VectorizedRuntime:
     def _chunk_layout(self, parts: tuple, capacity: int) -> tuple:
         """`ChunkTensors.layout()` of the chunk of these parts (`_chunk_parts`), without stacking."""
         trainable, frozen, context, _ = parts
-        return (capacity, tuple(trainable), tuple(trainable) if self.settings.momentum else (),
-                stacked_layout(frozen), stacked_layout(context))
+        return chunk_layout(capacity, trainable, trainable if self.settings.momentum else (),
+                            stacked_layout(frozen), stacked_layout(context))
 
     def _stack_group(self, jobs: list[FitJob], capacity: int, parts: tuple, into: ChunkTensors | None = None
                      ) -> tuple[ChunkTensors, tuple]:
