@@ -1,13 +1,13 @@
 """Per-round curves of both libraries and the row that compares them.
 
 A curves file (one per split and method, committed under docs/results/conformance/<split>/) has
-one line per library, seed and evaluated round: `library` (pfedkit / PFLlib), `seed`, `round`,
-`accuracy` (sample-weighted over all clients' test rows, a fraction). PFLlib's round 0 (the initial
-model) is kept in the file; rows use rounds 1..R, which both sides evaluate.
+one line per library, seed and evaluated round: `library` (pfedkit and one other: PFLlib or FL-bench),
+`seed`, `round`, `accuracy` (sample-weighted over all clients' test rows, a fraction). The other
+library's round 0 (the initial model) is kept in the file; rows use rounds 1..R, which both sides evaluate.
 
 A row: per library, the mean over seeds of the best accuracy, of the mean of the last 10 rounds
 and of the round of the best; the spread is the range (max - min) over seeds of the last-10 means;
-the differences are pfedkit minus PFLlib. Agreement: |difference of last-10 means| at most the
+the differences are pfedkit minus the other library. Agreement: |difference of last-10 means| at most the
 larger of the two sides' spreads.
 """
 from __future__ import annotations
@@ -19,7 +19,15 @@ import pandas as pd
 
 LAST = 10
 COLUMNS = ["library", "seed", "round", "accuracy"]
-LIBRARIES = ("pfedkit", "PFLlib")
+LIBRARIES = ("pfedkit", "PFLlib", "FL-bench")
+
+
+def other_library(curves: pd.DataFrame) -> str:
+    """The library a curves file compares pfedkit with (PFLlib when the file holds only pfedkit)."""
+    others = sorted(set(curves["library"]) - {"pfedkit"})
+    if len(others) > 1:
+        raise ValueError(f"a curves file compares pfedkit with one library, not {others}")
+    return others[0] if others else "PFLlib"
 
 
 def pfedkit_curve(run_dir: Path) -> dict[int, float]:
@@ -67,7 +75,8 @@ def side_summary(curves: pd.DataFrame, library: str, rounds: int) -> SideSummary
 class Row:
     method: str
     pfedkit: SideSummary | None
-    pfllib: SideSummary | None
+    pfllib: SideSummary | None    # the other library's side (PFLlib or FL-bench: other_library)
+    other_library: str = "PFLlib"
 
     @property
     def complete(self) -> bool:
@@ -82,17 +91,19 @@ class Row:
 
 
 def compare(method: str, curves: pd.DataFrame, rounds: int) -> Row:
-    return Row(method, side_summary(curves, "pfedkit", rounds), side_summary(curves, "PFLlib", rounds))
+    other = other_library(curves)
+    return Row(method, side_summary(curves, "pfedkit", rounds), side_summary(curves, other, rounds), other)
 
 
 def paired_last10(curves: pd.DataFrame, rounds: int) -> dict[int, float]:
-    """{seed: pfedkit's last-10 mean minus PFLlib's, in points} for the seeds both sides completed
-    (a seed is the same partition on both sides)."""
+    """{seed: pfedkit's last-10 mean minus the other library's, in points} for the seeds both sides
+    completed (a seed is the same partition on both sides)."""
+    other = other_library(curves)
     window = curves[curves["round"].between(rounds - LAST + 1, rounds)]
     means = window.groupby(["library", "seed"])["accuracy"].agg(["mean", "count"])
     complete = means[means["count"] == LAST]["mean"]
-    seeds = sorted(set(complete.get("pfedkit", pd.Series()).index) & set(complete.get("PFLlib", pd.Series()).index))
-    return {int(s): 100 * (complete["pfedkit"][s] - complete["PFLlib"][s]) for s in seeds}
+    seeds = sorted(set(complete.get("pfedkit", pd.Series()).index) & set(complete.get(other, pd.Series()).index))
+    return {int(s): 100 * (complete["pfedkit"][s] - complete[other][s]) for s in seeds}
 
 
 def markdown_row(row: Row, verdict: str) -> str:
@@ -107,9 +118,11 @@ def markdown_row(row: Row, verdict: str) -> str:
     return f"| {row.method} | {kit.rounds} | {kit.seeds} + {lib.seeds} | {sides[0]} | {sides[1]} | {differences} | {spread} | {verdict} |"
 
 
-TABLE_HEADER = ("| method | rounds | seeds (pfedkit + PFLlib) | pfedkit best / last-10 / round of best | "
-                "PFLlib best / last-10 / round of best | difference (pfedkit − PFLlib) | seed spread of last-10 "
-                "(pfedkit / PFLlib) | verdict |\n|---|---|---|---|---|---|---|---|")
+def table_header(other: str = "PFLlib") -> str:
+    return (f"| method | rounds | seeds (pfedkit + {other}) | pfedkit best / last-10 / round of best | "
+            f"{other} best / last-10 / round of best | difference (pfedkit − {other}) | seed spread of last-10 "
+            f"(pfedkit / {other}) | verdict |\n|---|---|---|---|---|---|---|---|")
+
 
 
 def read_curves(path: Path) -> pd.DataFrame:
