@@ -112,7 +112,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     out = Path(ns.out) if ns.out else Path(base.out_dir) / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     check_writable_dir(out, "--out" if ns.out else "out_dir")
     records = run_comparison(out, entries, parse_seeds(ns.seeds), quiet=ns.quiet,
-                             extra={"kind": "compare", **tuned_record})
+                             extra={"kind": "compare", **tuned_record},
+                             after_each=lambda finished: write_seed_table(out, finished))  # a cut sweep keeps its table
     table = write_seed_table(out, records)
     print(markdown_table(table, COMPACT))
     print(f"comparison directory: {out} (table.md, table.csv; the same command with --out {out} resumes)")

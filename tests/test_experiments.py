@@ -1,6 +1,7 @@
 """Comparisons over seeds (`pfedkit compare --seeds`), resume, tables, and the HTML reports."""
 from __future__ import annotations
 
+import json
 import re
 import struct
 
@@ -113,6 +114,28 @@ def test_compare_cli_writes_tables(small_config, tmp_path, capsys):
     markdown = (out / "table.md").read_text()
     assert "| fedavg | 2 |" in markdown and "±" in markdown
     assert "comparison directory" in capsys.readouterr().out
+
+
+def test_compare_cut_midway_keeps_the_table_of_its_finished_cells(small_config, tmp_path, monkeypatch):
+    from pfedkit.experiments import comparison
+
+    overrides = [f"{k}={v}" for k, v in small_config.items() if k not in ("partition", "algorithm")]
+    out = tmp_path / "cmp"
+    real, calls = comparison._run_once, []
+
+    def cut_at_the_second_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the session ends while the second method trains
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(comparison, "_run_once", cut_at_the_second_run)
+    assert main(["compare", "--algorithms", "fedavg,local", "--seeds", "0", "--out", str(out), "-q",
+                 *overrides]) != 0  # interrupted
+    assert pd.read_csv(out / "table.csv")["label"].tolist() == ["fedavg"]
+    records = comparison.finished_records(out)
+    assert [(r.entry.label, r.seed) for r in records] == [("fedavg", 0)]
+    assert records[0].summary == json.loads((out / "runs" / "fedavg-s0" / "summary.json").read_text())
 
 
 @pytest.mark.parametrize("text, seeds", [("0,1,2", [0, 1, 2]), ("3-5", [3, 4, 5]), ("7", [7])])

@@ -122,6 +122,20 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     return json.loads(summary_file.read_text()) if summary_file.is_file() else None
 
 
+def finished_records(out_dir: Path) -> list[RunRecord]:
+    """The finished cells of a comparison directory, in its manifest's order: what its table holds
+    so far (a sweep cut midway keeps them; `pfedkit compare` writes the table after every run)."""
+    out_dir = Path(out_dir)
+    records = []
+    for entry in read_manifest(out_dir).get("entries", []):
+        for seed, run in entry["runs"].items():
+            summary = read_summary(out_dir / run)
+            if summary is not None:
+                records.append(RunRecord(Entry(entry["label"], {"algorithm": entry.get("algorithm")}, entry["group"]),
+                                         int(seed), out_dir / run, summary))
+    return records
+
+
 def read_manifest(out_dir: Path) -> dict[str, Any]:
     """The directory's comparison.json ({} if none yet)."""
     manifest_file = out_dir / MANIFEST
