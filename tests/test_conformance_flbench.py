@@ -244,7 +244,8 @@ def test_collect_curves_reads_pfedkit_flbench_runs_and_flbench_metrics(tmp_path)
 @pytest.mark.parametrize("arguments, message", [
     (["--method", "FedAvg"], "--flbench CHECKOUT is needed"),
     (["--method", "FedAvg", "--side", "PFLlib"], "--side is both, pfedkit or FL-bench"),
-    (["--method", "MOON"], "not mapped against FL-bench"),
+    (["--method", "Per-FedAvg"], "not mapped against FL-bench"),
+    (["--method", "SCAFFOLD", "--flbench", "x"], "not comparable against FL-bench: FL-bench never stores"),
 ])
 def test_run_against_flbench_refuses_what_it_cannot_run(tmp_path, arguments, message):
     with pytest.raises(SystemExit, match=message):

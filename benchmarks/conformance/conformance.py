@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from curves import compare, curve_frame, markdown_row, paired_last10, pfedkit_curve, table_header  # noqa: E402
 from flbench_data import export_to_flbench  # noqa: E402
-from flbench_mapping import (FLBENCH_METHODS, flbench_arguments, flbench_dataset, flbench_mapping_text,  # noqa: E402
-                             flbench_pfedkit_overrides)
+from flbench_mapping import (FLBENCH_METHODS, FLBENCH_NOT_COMPARABLE, flbench_arguments, flbench_dataset,  # noqa: E402
+                             flbench_mapping_text, flbench_pfedkit_overrides)
 from flbench_run import (curve_from_client_lines, curve_from_metrics, curve_from_test_results, metrics_file,  # noqa: E402
                          normalisation, run_flbench, run_folder)
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
@@ -218,7 +218,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         command = sub.add_parser(name)
         command.add_argument("--scratch", type=Path, required=True)
         command.add_argument("--split", choices=SPLITS, required=True)
-        command.add_argument("--method", choices=sorted(set(METHODS) | set(FLBENCH_METHODS)), required=True)
+        command.add_argument("--method", choices=sorted(set(METHODS) | set(FLBENCH_METHODS) | set(FLBENCH_NOT_COMPARABLE)),
+                             required=True)
         command.add_argument("--against", choices=OTHER_LIBRARIES, default="PFLlib",
                              help="the other library (default PFLlib)")
         command.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -247,6 +248,8 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
 def chosen_method(ns: argparse.Namespace):
     """The method of --method in the table of --against; SystemExit when that library's table lacks it."""
     table = FLBENCH_METHODS if ns.against == FLBENCH else METHODS
+    if ns.against == FLBENCH and ns.method in FLBENCH_NOT_COMPARABLE:
+        raise SystemExit(f"--method {ns.method}: not comparable against FL-bench: {FLBENCH_NOT_COMPARABLE[ns.method]}")
     if ns.method not in table:
         raise SystemExit(f"--method {ns.method}: not mapped against {ns.against} (mapped: {', '.join(table)})")
     return table[ns.method]
