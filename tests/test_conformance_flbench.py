@@ -20,6 +20,7 @@ import conformance  # noqa: E402
 import curves  # noqa: E402
 import flbench_data  # noqa: E402
 import flbench_mapping  # noqa: E402
+import flbench_methods  # noqa: E402
 import flbench_run  # noqa: E402
 import mapping  # noqa: E402
 
@@ -161,11 +162,11 @@ def test_a_folder_that_is_not_an_flbench_checkout_is_refused(tmp_path):
 
 # --- the mapping --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("label", sorted(flbench_mapping.FLBENCH_METHODS))
+@pytest.mark.parametrize("label", sorted(flbench_methods.FLBENCH_METHODS))
 def test_every_pfedkit_value_of_the_protocol_is_what_the_run_resolves_to(label):
     from pfedkit.config import load_config
 
-    method, split = flbench_mapping.FLBENCH_METHODS[label], mapping.SPLITS["mnist_fedrema"]
+    method, split = flbench_methods.FLBENCH_METHODS[label], mapping.SPLITS["mnist_fedrema"]
     config = load_config(str(split.config), flbench_mapping.flbench_pfedkit_overrides(method, split, 3, 7)).to_dict()
     for setting in flbench_mapping.FLBENCH_PROTOCOL:
         value = mapping.dotted(config, setting.pfedkit_key)  # KeyError: a key pfedkit does not have
@@ -179,7 +180,7 @@ def test_every_pfedkit_value_of_the_protocol_is_what_the_run_resolves_to(label):
 
 def test_flbench_arguments_run_one_epoch_more_than_the_rounds_under_the_seed():
     split = mapping.SPLITS["mnist_fedrema"]
-    arguments = flbench_mapping.flbench_arguments(flbench_mapping.FLBENCH_METHODS["FedAvg"], split, 25, 4)
+    arguments = flbench_mapping.flbench_arguments(flbench_methods.FLBENCH_METHODS["FedAvg"], split, 25, 4)
     pairs = dict(argument.split("=", 1) for argument in arguments)
     assert pairs["method"] == "fedavg" and pairs["dataset.name"] == "mnist" and pairs["model.name"] == "avgcnn"
     assert (pairs["common.global_epoch"], pairs["common.seed"], pairs["common.local_epoch"],
@@ -190,7 +191,7 @@ def test_flbench_arguments_run_one_epoch_more_than_the_rounds_under_the_seed():
 
 def test_a_methods_own_setting_replaces_the_fixed_one_once():
     split = mapping.SPLITS["mnist_fedrema"]
-    arguments = flbench_mapping.flbench_arguments(flbench_mapping.FLBENCH_METHODS["CCVR"], split, 25, 0)
+    arguments = flbench_mapping.flbench_arguments(flbench_methods.FLBENCH_METHODS["CCVR"], split, 25, 0)
     interval = [a for a in arguments if "common.test.client.interval=" in a]
     assert interval == ["++common.test.client.interval=1"]
 
@@ -228,7 +229,7 @@ def test_row_compares_pfedkit_with_flbench_when_the_file_holds_flbench():
 
 
 def test_collect_curves_reads_pfedkit_flbench_runs_and_flbench_metrics(tmp_path):
-    split, method = mapping.SPLITS["mnist_fedrema"], flbench_mapping.FLBENCH_METHODS["FedAvg"]
+    split, method = mapping.SPLITS["mnist_fedrema"], flbench_methods.FLBENCH_METHODS["FedAvg"]
     folder = tmp_path / "flbench" / "run" / "mnist_fedrema-s0" / "FedAvg" / "out" / "fedavg" / "mnist" / "t"
     folder.mkdir(parents=True)
     pd.DataFrame({"epoch": [0, 1, 2], "accuracy_test_before": [10.0, 50.0, 60.0]}).to_csv(

@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from curves import compare, curve_frame, markdown_row, paired_last10, pfedkit_curve, table_header  # noqa: E402
 from flbench_data import export_to_flbench  # noqa: E402
-from flbench_mapping import (FLBENCH_METHODS, FLBENCH_NOT_COMPARABLE, flbench_arguments, flbench_dataset,  # noqa: E402
-                             flbench_mapping_text, flbench_pfedkit_overrides)
+from flbench_mapping import (flbench_arguments, flbench_dataset, flbench_mapping_text,  # noqa: E402
+                             flbench_pfedkit_overrides)
+from flbench_methods import FLBENCH_METHODS, FLBENCH_NOT_COMPARABLE  # noqa: E402
 from flbench_run import (curve_from_client_lines, curve_from_metrics, curve_from_test_results, metrics_file,  # noqa: E402
                          normalisation, run_flbench, run_folder)
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "times":
         return command_times(ns)
     if ns.against == FLBENCH:
-        print(flbench_mapping_text(chosen_method(ns) if ns.method else None))
+        print(flbench_mapping_text([chosen_method(ns)] if ns.method else list(FLBENCH_METHODS.values()),
+                                   {} if ns.method else FLBENCH_NOT_COMPARABLE))
     else:
         print(mapping_text(chosen_method(ns) if ns.method else None))
     return 0
