@@ -11,6 +11,30 @@ from __future__ import annotations
 
 from flbench_mapping import FlbenchMethod
 
+
+def fedopt_method(label: str, server: str) -> FlbenchMethod:
+    """FedAdam, FedYogi or FedAdagrad against FL-bench's one `fedopt` method (++fedopt.type = `server`, chosen at
+    src/server/fedopt.py:29-36), at FL-bench's defaults on both sides: server lr 0.1, beta1 0.9, tau 1e-3, v_0 = 0
+    (beta2 0.999 for Adam and Yogi; FL-bench reads it but Adagrad does not use it, :112-114)."""
+    name = label.lower()
+    shared = {"server_lr": 0.1, "beta1": 0.9, "tau": 0.001}
+    second_moment = {} if server == "adagrad" else {"beta2": 0.999}
+    pfedkit = {f"{name}.{k}": v for k, v in {**shared, **second_moment, "initial_v": 0.0}.items()}
+    flbench = {"fedopt.type": server, **{f"fedopt.{k}": v for k, v in {**shared, **second_moment}.items()}}
+    defaults = ("FL-bench's defaults are server lr 0.1, beta1 0.9, beta2 0.999 and tau 1e-3 (src/server/fedopt.py:"
+                "22-25); pfedkit's differ (FedAdam and FedYogi: server lr 0.01, beta2 0.99; FedAdagrad: beta1 0, which "
+                "switches off the first moment FL-bench applies to Adagrad too (:100-101), tau 1e-2): both sides take "
+                "FL-bench's")
+    return FlbenchMethod(label, name, "fedopt", pfedkit, flbench, departures=(
+        defaults,
+        "FL-bench starts v at 0 (src/server/fedopt.py:78-81); Reddi et al.'s Algorithm 2 asks v_{-1} >= tau^2 "
+        "(pfedkit's default): pfedkit's initial_v=0 follows FL-bench",
+        "FL-bench's Delta is the n_i-weighted mean of y_i - x (src/server/fedopt.py:50-54, 91-97), as pfedkit's; "
+        "Algorithm 2 writes the uniform mean, the same here (every client holds 480 training rows); FL-bench "
+        "averages the diffs, pfedkit takes mean - x: float rounding only",
+        "the updates agree term by term: m = beta1 m + (1 - beta1) Delta (:100-101); v by Adam's, Yogi's or Adagrad's "
+        "rule (:112-123); x += lr m / (sqrt(v) + tau) (:107-110); no bias correction on either side"))
+
 FLBENCH_METHODS = {m.label: m for m in (
     FlbenchMethod("FedAvg", "fedavg", "fedavg"),
     FlbenchMethod("Local", "local", "local",
@@ -26,45 +50,8 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "FL-bench's pseudo-gradient is the n_i-weighted mean of the clients' diffs x - y_i "
                               "(src/server/fedavgm.py:37-49, weights len(trainset), src/client/fedavg.py:178,194-199); "
                               "pfedkit's is x - sum p_i y_i: the same up to float rounding",)),
-    FlbenchMethod("FedAdam", "fedadam", "fedopt",
-                  {"fedadam.server_lr": 0.1, "fedadam.beta1": 0.9, "fedadam.beta2": 0.999, "fedadam.tau": 0.001,
-                   "fedadam.initial_v": 0.0},
-                  {"fedopt.type": "adam", "fedopt.server_lr": 0.1, "fedopt.beta1": 0.9, "fedopt.beta2": 0.999,
-                   "fedopt.tau": 0.001},
-                  departures=("FL-bench's defaults are server_lr 0.1 and beta2 0.999 (src/server/fedopt.py:23-24), "
-                              "pfedkit's 0.01 (the paper's best CIFAR-10 eta) and 0.99 (the paper's fixed beta2): both "
-                              "set to FL-bench's",
-                              "FL-bench starts v at 0 (src/server/fedopt.py:78-81); Reddi et al.'s Algorithm 2 asks "
-                              "v_{-1} >= tau^2 (pfedkit's default): pfedkit's initial_v=0 follows FL-bench",
-                              "FL-bench's Delta is the n_i-weighted mean of y_i - x (src/server/fedopt.py:50-54,91-97), "
-                              "as pfedkit's; Algorithm 2 writes the uniform mean, the same here (every client holds 480 "
-                              "training rows); FL-bench averages the diffs, pfedkit takes mean - x: float rounding only",)),
-    FlbenchMethod("FedYogi", "fedyogi", "fedopt",
-                  {"fedyogi.server_lr": 0.1, "fedyogi.beta1": 0.9, "fedyogi.beta2": 0.999, "fedyogi.tau": 0.001,
-                   "fedyogi.initial_v": 0.0},
-                  {"fedopt.type": "yogi", "fedopt.server_lr": 0.1, "fedopt.beta1": 0.9, "fedopt.beta2": 0.999,
-                   "fedopt.tau": 0.001},
-                  departures=("FL-bench's defaults are server_lr 0.1 and beta2 0.999 (src/server/fedopt.py:23-24), "
-                              "pfedkit's 0.01 and 0.99 (FedAdam's, [ours] for Yogi): both set to FL-bench's",
-                              "FL-bench starts v at 0 (src/server/fedopt.py:78-81); Algorithm 2 asks v_{-1} >= tau^2 "
-                              "(pfedkit's default): pfedkit's initial_v=0 follows FL-bench",
-                              "FL-bench's Delta is the n_i-weighted mean of y_i - x (src/server/fedopt.py:50-54,91-97), "
-                              "as pfedkit's; Algorithm 2 writes the uniform mean, the same here (every client holds 480 "
-                              "training rows); FL-bench averages the diffs, pfedkit takes mean - x: float rounding only",)),
-    FlbenchMethod("FedAdagrad", "fedadagrad", "fedopt",
-                  {"fedadagrad.server_lr": 0.1, "fedadagrad.beta1": 0.9, "fedadagrad.tau": 0.001,
-                   "fedadagrad.initial_v": 0.0},
-                  {"fedopt.type": "adagrad", "fedopt.server_lr": 0.1, "fedopt.beta1": 0.9, "fedopt.tau": 0.001},
-                  departures=("FL-bench applies the beta1 first moment to Adagrad too (src/server/fedopt.py:22,100-101, "
-                              "default 0.9); pfedkit's default beta1 = 0 (TensorFlow's and Flower's Adagrad) switches "
-                              "it off: both set to 0.9, Algorithm 2's m_t",
-                              "FL-bench's tau default is 1e-3 (src/server/fedopt.py:25), pfedkit's 1e-2 (the paper's best "
-                              "CIFAR-10 value for FedAdagrad): both set to FL-bench's; server_lr 0.1 on both (both defaults)",
-                              "FL-bench starts v at 0 (src/server/fedopt.py:78-81); Algorithm 2 asks v_{-1} >= tau^2 "
-                              "(pfedkit's default): pfedkit's initial_v=0 follows FL-bench",
-                              "FL-bench's Delta is the n_i-weighted mean of y_i - x (src/server/fedopt.py:50-54,91-97), "
-                              "as pfedkit's; Algorithm 2 writes the uniform mean, the same here (every client holds 480 "
-                              "training rows); FL-bench averages the diffs, pfedkit takes mean - x: float rounding only",)),
+    *(fedopt_method(label, server) for label, server in (("FedAdam", "adam"), ("FedYogi", "yogi"),
+                                                        ("FedAdagrad", "adagrad"))),
     FlbenchMethod("pFedHN", "pfedhn", "pfedhn",
                   {"pfedhn.inner_steps": 25, "pfedhn.embed_dim": 5, "pfedhn.server_steps": "per_client"},
                   {"pfedhn.version": "pfedhn", "pfedhn.embed_dim": 5, "common.buffers": "local"}, curve="clients",
