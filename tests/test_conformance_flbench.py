@@ -327,3 +327,21 @@ def test_collect_curves_reads_each_method_where_its_evaluated_model_is_and_shift
     (export / "pfedkit_export.json").write_text(json.dumps({"test_rows": [120, 120]}))
     collected = conformance.collect_curves(tmp_path, split, method, [0], against="FL-bench")
     assert dict(zip(collected["round"], collected["accuracy"])) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("label", sorted(flbench_methods.FLBENCH_METHODS))
+def test_each_method_reads_a_curve_its_flbench_run_writes(label):
+    """A curve from FL-bench's test path needs that path switched on; the other curves need it off
+    (the test path draws from FL-bench's random streams and changes its training batches)."""
+    method = flbench_methods.FLBENCH_METHODS[label]
+    assert method.curve in ("before", "clients", "test_results")
+    testing = method.flbench_options.get("common.test.client.interval", -1)
+    assert (testing == 1) == (method.curve == "test_results"), (method.curve, testing)
+    assert method.round_shift in (0, 1)
+
+
+def test_a_method_flbench_cannot_check_is_not_also_mapped():
+    assert not set(flbench_methods.FLBENCH_METHODS) & set(flbench_methods.FLBENCH_NOT_COMPARABLE)
+    from pfedkit.algorithms import algorithm_names
+
+    assert {m.pfedkit for m in flbench_methods.FLBENCH_METHODS.values()} <= set(algorithm_names())
