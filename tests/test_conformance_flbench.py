@@ -345,3 +345,64 @@ def test_a_method_flbench_cannot_check_is_not_also_mapped():
     from pfedkit.algorithms import algorithm_names
 
     assert {m.pfedkit for m in flbench_methods.FLBENCH_METHODS.values()} <= set(algorithm_names())
+
+
+# --- pfedkit from FL-bench's initial weights (--init flbench) -----------------------------------
+
+FAKE_FLBENCH_MODELS = '''from collections import OrderedDict
+
+import torch
+from torch import nn
+
+
+class FedAvgCNN(nn.Module):  # a stand-in of FL-bench's: the body in `base`, the last layer `classifier`
+    def __init__(self, dataset, pretrained):
+        super().__init__()
+        self.base = nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 2, 3), activation1=nn.ReLU()))
+        self.classifier = nn.Linear(8, 10)
+'''
+
+
+def test_flbench_initial_weights_are_its_model_under_the_seed_named_as_pfedkit_names_layers(tmp_path):
+    import torch
+    from torch import nn
+
+    checkout = tmp_path / "checkout"
+    (checkout / "src" / "utils").mkdir(parents=True)
+    (checkout / "src" / "server").mkdir(parents=True)
+    (checkout / "src" / "utils" / "models.py").write_text(FAKE_FLBENCH_MODELS)
+    (checkout / "src" / "server" / "fedavg.py").write_text("")  # with main.py: what makes a folder a checkout
+    (checkout / "main.py").write_text("")
+    weights = {}
+    for seed in (0, 3):
+        out = flbench_run.flbench_initial_weights(checkout, tmp_path / "scratch", seed, "mnist",
+                                                  tmp_path / "init" / f"s{seed}.pt")
+        weights[seed] = torch.load(out, weights_only=True)
+        torch.manual_seed(seed)  # FL-bench's fix_random_seed, then the model
+        conv, fc = nn.Conv2d(1, 2, 3), nn.Linear(8, 10)
+        expected = {"conv1.weight": conv.weight, "conv1.bias": conv.bias, "fc.weight": fc.weight, "fc.bias": fc.bias}
+        assert list(weights[seed]) == list(expected)
+        assert all(torch.equal(weights[seed][name], tensor) for name, tensor in expected.items())
+    assert not torch.equal(weights[0]["fc.weight"], weights[3]["fc.weight"])
+    assert not list(checkout.rglob("__pycache__"))  # nothing written into the checkout
+
+
+def test_pfedkit_names_the_flbench_layers_as_its_own_cnn_does():
+    from pfedkit.models.cnn import FedAvgCNN
+
+    names = set(FedAvgCNN((1, 28, 28), 10).state_dict())
+    flbench = ["base.conv1.weight", "base.conv1.bias", "base.conv2.weight", "base.conv2.bias", "base.fc1.weight",
+               "base.fc1.bias", "classifier.weight", "classifier.bias"]
+    renamed = {flbench_run.pfedkit_layer_name(name) for name in flbench}
+    assert renamed <= {n.split(".", 1)[1] if n.startswith(("body.", "head.")) else n for n in names}
+
+
+def test_init_flbench_runs_have_their_own_directories_and_need_the_checkout(tmp_path):
+    split, method = mapping.SPLITS["mnist_fedrema"], flbench_methods.FLBENCH_METHODS["FedAvg"]
+    assert conformance.pfedkit_run_dir(tmp_path, split, method, 2, "flbench", "FL-bench").name == "FedAvg-flbench-init-s2"
+    with pytest.raises(SystemExit, match="--init flbench reads FL-bench's initial weights"):
+        conformance.main(["run", "--against", "FL-bench", "--scratch", str(tmp_path), "--split", "mnist_fedrema",
+                          "--method", "FedAvg", "--side", "pfedkit", "--init", "flbench"])
+    with pytest.raises(SystemExit, match="--init flbench runs with --against FL-bench"):
+        conformance.main(["run", "--scratch", str(tmp_path), "--split", "mnist_fedrema", "--method", "FedAvg",
+                          "--side", "pfedkit", "--init", "flbench", "--pfllib", "x"])

@@ -3,7 +3,7 @@
     python benchmarks/conformance/conformance.py export --split mnist_fedrema --seed 0 --out DIR [--data-dir D]
     python benchmarks/conformance/conformance.py run --pfllib CHECKOUT --scratch SCRATCH \\
         --split mnist_fedrema --method FedAvg --seeds 0 1 [--rounds R] [--side both|pfedkit|PFLlib] \\
-        [--device cpu|cuda|cuda:N] [--data-dir D] [--init pfllib]
+        [--device cpu|cuda|cuda:N] [--data-dir D] [--init pfllib|flbench]
     python benchmarks/conformance/conformance.py curves --scratch SCRATCH --split mnist_fedrema \\
         --method FedAvg --seeds 0 1 --out docs/results/conformance/mnist_fedrema/FedAvg.csv
     python benchmarks/conformance/conformance.py run --against FL-bench --flbench CHECKOUT --scratch SCRATCH \\
@@ -21,7 +21,9 @@ pfedkit's run directories. Run from the repository root (the splits' data_dir is
 --init pfllib (run and curves, the pfedkit side): pfedkit starts from the very weights PFLlib's run of
 the seed starts from (config init_weights), in run directories of their own (METHOD-pfllib-init-sS).
 --against FL-bench (run, curves, mapping): the other library is FL-bench (flbench_*.py); pfedkit's side
-runs FL-bench's loop (flbench_mapping.FLBENCH_PFEDKIT) in run directories of their own (METHOD-flbench-sS).
+runs FL-bench's loop (flbench_mapping.FLBENCH_PFEDKIT) in run directories of their own (METHOD-flbench-sS);
+--init flbench (with --against FL-bench): pfedkit starts from FL-bench's initial weights of the seed
+(METHOD-flbench-init-sS).
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from flbench_data import export_to_flbench  # noqa: E402
 from flbench_mapping import (flbench_arguments, flbench_dataset, flbench_mapping_text,  # noqa: E402
                              flbench_pfedkit_overrides)
 from flbench_methods import FLBENCH_METHODS, FLBENCH_NOT_COMPARABLE  # noqa: E402
-from flbench_run import (curve_from_client_lines, curve_from_metrics, curve_from_test_results, metrics_file,  # noqa: E402
-                         normalisation, run_flbench, run_folder)
+from flbench_run import (curve_from_client_lines, curve_from_metrics, curve_from_test_results,  # noqa: E402
+                         flbench_initial_weights, metrics_file, normalisation, run_flbench, run_folder)
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
 from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
 
@@ -81,7 +83,7 @@ def pfllib_log(scratch: Path, split: Split, method: Method, seed: int) -> Path:
 
 def pfedkit_run_dir(scratch: Path, split: Split, method: Method, seed: int, init: str | None = None,
                     against: str = "PFLlib") -> Path:
-    variant = (f"-{init}-init" if init else "") + ("-flbench" if against == FLBENCH else "")
+    variant = f"-{init}-init" if init else ("-flbench" if against == FLBENCH else "")
     return scratch / "pfedkit-runs" / split.name / f"{method.label}{variant}-s{seed}"
 
 
@@ -138,6 +140,10 @@ def run_pfedkit_side(scratch: Path, split: Split, method: Method, seed: int, rou
     if init == "pfllib":
         weights = pfllib_initial_weights(checkout, scratch, seed, split.pfllib_model,
                                          scratch / "init" / f"{split.name}-s{seed}.pt")
+        overrides.append(f"init_weights={weights}")
+    elif init == "flbench":
+        weights = flbench_initial_weights(checkout, scratch, seed, flbench_dataset(split),
+                                          scratch / "init" / f"{split.name}-flbench-s{seed}.pt")
         overrides.append(f"init_weights={weights}")
     command = pfedkit_command(run_dir, [str(split.config), *overrides])
     if command is None:
@@ -224,8 +230,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         command.add_argument("--against", choices=OTHER_LIBRARIES, default="PFLlib",
                              help="the other library (default PFLlib)")
         command.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-        command.add_argument("--init", choices=["pfllib"], help="pfedkit starts from PFLlib's initial weights "
-                             "of each seed (its own run directories; run: needs --pfllib)")
+        command.add_argument("--init", choices=["pfllib", "flbench"],
+                             help="pfedkit starts from PFLlib's (FL-bench's, with --against FL-bench) initial weights "
+                             "of each seed (its own run directories; run: needs --pfllib or --flbench)")
     run = sub.choices["run"]
     run.add_argument("--pfllib", type=Path, help="a PFLlib checkout (needed unless --side pfedkit)")
     run.add_argument("--flbench", type=Path, help="an FL-bench checkout (--against FL-bench, unless --side pfedkit)")
@@ -265,6 +272,8 @@ def command_run(ns: argparse.Namespace) -> int:
     rounds = ns.rounds or split.rounds
     if ns.side != "pfedkit" and ns.pfllib is None:
         raise SystemExit("--pfllib CHECKOUT is needed to run PFLlib's side (or give --side pfedkit)")
+    if ns.init == "flbench":
+        raise SystemExit("--init flbench runs with --against FL-bench")
     if ns.init and ns.pfllib is None:
         raise SystemExit("--init pfllib reads PFLlib's initial weights: give --pfllib CHECKOUT")
     try:
@@ -285,8 +294,10 @@ def command_run(ns: argparse.Namespace) -> int:
 def command_run_flbench(ns: argparse.Namespace) -> int:
     split, method = SPLITS[ns.split], chosen_method(ns)
     rounds = ns.rounds or split.rounds
-    if ns.side == "PFLlib" or ns.init:
+    if ns.side == "PFLlib" or ns.init == "pfllib":
         raise SystemExit("--against FL-bench: --side is both, pfedkit or FL-bench, and --init pfllib is PFLlib's")
+    if ns.init and ns.flbench is None:
+        raise SystemExit("--init flbench reads FL-bench's initial weights: give --flbench CHECKOUT")
     if ns.side != "pfedkit" and ns.flbench is None:
         raise SystemExit("--flbench CHECKOUT is needed to run FL-bench's side (or give --side pfedkit)")
     if ns.device != "cpu":
@@ -298,7 +309,7 @@ def command_run_flbench(ns: argparse.Namespace) -> int:
                                          ns.data_dir) != 0
         if ns.side in ("both", "pfedkit"):
             failures += run_pfedkit_side(ns.scratch.resolve(), split, method, seed, rounds, ns.data_dir,
-                                         against=FLBENCH) != 0
+                                         ns.flbench, ns.init, against=FLBENCH) != 0
     return 1 if failures else 0
 
 

@@ -130,6 +130,21 @@ def read_image(*args, **kwargs):
     raise ImportError("torchvision.io.read_image is not in the conformance stub")
 ''',
 }
+INITIAL_WEIGHTS = '''"""pfedkit conformance: save the FedAvgCNN FL-bench's server starts from under seed SEED: fix_random_seed
+seeds torch with SEED and nothing draws from torch before init_model builds the model (src/server/fedavg.py).
+Usage: python initial_weights.py FLBENCH_ROOT SEED DATASET OUT"""
+import sys
+
+sys.dont_write_bytecode = True  # nothing is written into the checkout
+import torch  # noqa: E402
+
+root, seed, dataset, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, root)
+from src.utils.models import FedAvgCNN  # noqa: E402
+
+torch.manual_seed(seed)
+torch.save(dict(FedAvgCNN(dataset, False).state_dict()), out)
+'''
 CONSTANTS = '''import json, sys
 sys.path.insert(0, sys.argv[1])
 from src.utils.constants import DATA_MEAN, DATA_STD
@@ -194,6 +209,34 @@ def normalisation(checkout: Path, scratch: Path, dataset: str) -> tuple[list[flo
                          env=environment(scratch), capture_output=True, text=True, check=True).stdout
     values = json.loads(out.strip().splitlines()[-1])
     return list(values["mean"]), list(values["std"])
+
+
+def flbench_initial_weights(checkout: Path, scratch: Path, seed: int, dataset: str, out: Path) -> Path:
+    """`out`: the weights FL-bench's run of `seed` starts from, built by the checkout's own FedAvgCNN, under
+    pfedkit's names (`base.conv1.weight` -> `conv1.weight`, `classifier.weight` -> `fc.weight`), which config
+    `init_weights` reads. Kept if present. (Under seed s they are also PFLlib's: both seed torch with s and
+    build the same layers in the same order before drawing anything else.)"""
+    if out.is_file():
+        return out
+    import torch
+
+    prepare_stubs(scratch)
+    script = scratch / "flbench" / "initial_weights.py"
+    write_text(script, INITIAL_WEIGHTS)
+    raw = out.with_suffix(".flbench.pt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, str(script), str(flbench_root(checkout)), str(seed), dataset, str(raw)],
+                   env=environment(scratch), check=True)
+    weights = torch.load(raw, weights_only=True)
+    torch.save({pfedkit_layer_name(name): tensor for name, tensor in weights.items()}, out)
+    return out
+
+
+def pfedkit_layer_name(flbench_name: str) -> str:
+    """FL-bench's FedAvgCNN keeps the body in `base` and the last layer as `classifier`; pfedkit names the
+    layers themselves and the last one `fc`."""
+    name = flbench_name.removeprefix("base.")
+    return "fc" + name[len("classifier"):] if name.startswith("classifier.") else name
 
 
 def run_flbench(folder: Path, scratch: Path, arguments: list[str], log: Path) -> int:
