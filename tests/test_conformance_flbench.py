@@ -305,8 +305,11 @@ def test_client_lines_pool_every_clients_before_accuracy_by_test_rows_and_skip_p
     assert curve[1] == pytest.approx((50 * 100 + 70 * 300) / 400 / 100)
 
 
-def test_test_results_are_the_closing_json_before_accuracies_by_key():
+def test_test_results_are_the_closing_json_accuracies_by_key_either_side():
     assert flbench_run.curve_from_test_results(MAIN_LOG) == {1: pytest.approx(0.1234), 2: pytest.approx(0.5678)}
+    fine_tuned = MAIN_LOG.replace('"12.34% -> 0.00%"', '"12.34% -> 81.50%"').replace('"56.78% -> 0.00%"',
+                                                                                      '"56.78% -> 90.25%"')
+    assert flbench_run.curve_from_test_results(fine_tuned, "after") == {1: pytest.approx(0.815), 2: pytest.approx(0.9025)}
     assert flbench_run.curve_from_test_results("no results yet") == {}
 
 
@@ -334,9 +337,9 @@ def test_each_method_reads_a_curve_its_flbench_run_writes(label):
     """A curve from FL-bench's test path needs that path switched on; the other curves need it off
     (the test path draws from FL-bench's random streams and changes its training batches)."""
     method = flbench_methods.FLBENCH_METHODS[label]
-    assert method.curve in ("before", "clients", "test_results")
+    assert method.curve in ("before", "clients", "test_results", "test_results_after")
     testing = method.flbench_options.get("common.test.client.interval", -1)
-    assert (testing == 1) == (method.curve == "test_results"), (method.curve, testing)
+    assert (testing == 1) == method.curve.startswith("test_results"), (method.curve, testing)
     assert method.round_shift in (0, 1)
 
 

@@ -174,8 +174,8 @@ def flbench_curve(metrics: Path, method, exports: Path) -> dict[int, float]:
     if method.curve == "before":
         return curve_from_metrics(metrics)
     log = (metrics.parent / "main.log").read_text()
-    if method.curve == "test_results":
-        return curve_from_test_results(log)
+    if method.curve.startswith("test_results"):
+        return curve_from_test_results(log, "after" if method.curve == "test_results_after" else "before")
     manifest = json.loads(next(exports.glob(f"*/{MANIFEST}")).read_text())
     return curve_from_client_lines(log, manifest["test_rows"])
 

@@ -37,7 +37,8 @@ class FlbenchMethod:
     departures: tuple[str, ...] = ()
     # Where FL-bench's curve is read (flbench_run): "before" metrics.csv's accuracy_test_before; "clients"
     # main.log's per-client lines pooled by test rows; "test_results" main.log's closing JSON (with
-    # ++common.test.client.interval=1). FL-bench's epoch or key k is pfedkit's round k + round_shift.
+    # ++common.test.client.interval=1), "test_results_after" its fine-tuned side. FL-bench's epoch or key k
+    # is pfedkit's round k + round_shift.
     curve: str = "before"
     round_shift: int = 0
 

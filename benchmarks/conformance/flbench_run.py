@@ -258,7 +258,7 @@ def metrics_file(folder: Path, method: str, dataset: str) -> Path | None:
 
 CLIENT_LINE = re.compile(r"client \[(\d+)\]\s+\(testset\)\s+loss: \S+ -> \S+\s+accuracy: ([0-9.]+)% ->")
 EPOCH_LINE = re.compile(r"TRAINING EPOCH: (\d+)")
-BEFORE_ACCURACY = re.compile(r"([0-9.]+)% ->")
+TEST_ACCURACY = {"before": re.compile(r"([0-9.]+)% ->"), "after": re.compile(r"-> ([0-9.]+)%")}
 
 
 def curve_from_client_lines(text: str, test_rows: list[int]) -> dict[int, float]:
@@ -280,17 +280,19 @@ def curve_from_client_lines(text: str, test_rows: list[int]) -> dict[int, float]
             for epoch, clients in epochs.items() if len(clients) == len(test_rows)}
 
 
-def curve_from_test_results(text: str) -> dict[int, float]:
+def curve_from_test_results(text: str, side: str = "before") -> dict[int, float]:
     """{key: accuracy (fraction)} of the closing JSON of a main.log (the test_results FL-bench gathers when
     common.test.client.interval > 0: every client, key k after k aggregations): group all_clients, split
-    test, the 'before' accuracy (2-decimal percent). For methods whose evaluated model exists only there
-    (CCVR's calibrated head, kNN-Per's interpolation)."""
+    test, 2-decimal percent 'before% -> after%'. `side` "before": the model the test path evaluates (for
+    methods whose evaluated model exists only there: CCVR's calibrated head, kNN-Per's interpolation);
+    "after": that model fine-tuned for common.test.client.finetune_epoch epochs (FedBABU's evaluation)."""
     start = text.find("Experiment Results:")
     opening = text.find("{", start) if start >= 0 else -1
     if opening < 0:
         return {}
     results, _ = json.JSONDecoder().raw_decode(text[opening:])
-    return {int(key): float(BEFORE_ACCURACY.search(groups["all_clients"]["test"]["accuracy"]).group(1)) / 100.0
+    pattern = TEST_ACCURACY[side]
+    return {int(key): float(pattern.search(groups["all_clients"]["test"]["accuracy"]).group(1)) / 100.0
             for key, groups in results.items() if "all_clients" in groups}
 
 
