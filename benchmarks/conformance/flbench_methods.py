@@ -446,7 +446,7 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "float32 move "
                               "it by up to 1.5e-8 over 25 rounds (checked); pfedkit never trains or averages it "
                               "(trainable=body, server averages bodies): rounding only")),
-    FlbenchMethod("FedBABU (fine-tuned)", "fedbabu", "fedbabu", {"fedbabu.finetune_epochs": 5, "fedbabu.finetune_part": "all"},
+    FlbenchMethod("FedBABU-finetuned", "fedbabu", "fedbabu", {"fedbabu.finetune_epochs": 5, "fedbabu.finetune_part": "all"},
                   {"common.test.client.finetune_epoch": 5, "common.test.client.interval": 1}, curve="test_results_after",
                   departures=("the paper's evaluated model: each client fine-tunes the received global model (body and "
                               "head) for 5 epochs and is evaluated with it. FL-bench does it only in its test path "
