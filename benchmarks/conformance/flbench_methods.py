@@ -76,11 +76,10 @@ FLBENCH_METHODS = {m.label: m for m in (
                       "generates "
                       "after the previous client's step (src/server/pfedhn.py:76-106; package() per client at "
                       "src/utils/trainer.py:42-44), the paper's one-client-per-step algorithm; pfedkit's "
-                      "participants all "
-                      "train from phi^t's models and the steps follow, each VJP at the current phi "
-                      "(pfedkit/algorithms/pfedhn.py:183-184): no pfedkit option trains a client from the phi left "
-                      "by the "
-                      "round's earlier steps",
+                      "participants all train from phi^t's models and the steps follow, each VJP at the current phi "
+                      "(pfedkit/algorithms/pfedhn.py:183-184). pfedkit with one participant a round (join_ratio = "
+                      "1/N, N times the rounds, eval_every N) is the paper's algorithm: its curve is FL-bench's "
+                      "(docs/conformance.md)",
                       "FL-bench steps in the round's random.sample order (src/server/fedavg.py:122-128, 468), "
                       "pfedkit in "
                       "ascending client id",
