@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -35,13 +34,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from scratch import saved_initial_weights, stubbed_environment, write_raising_stubs, write_text
+
 CODE = ("main.py", "config", "src", Path("data") / "utils")
-RAISING_STUB = '''"""Stub of {name} for running FL-bench beside pfedkit (benchmarks/conformance): {why}."""
-
-
-def __getattr__(attribute):
-    raise ImportError("{name} is a stub here ({why}); install the real {name} to run a method that uses it")
-'''
 STUBBED = {
     "pynvml": "src/utils/functional.py imports it to choose a CUDA device",
     "faiss": "src/client/knnper.py imports it for kNN-Per's memory",
@@ -160,16 +155,9 @@ def flbench_root(checkout: Path) -> Path:
     return root
 
 
-def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def prepare_stubs(scratch: Path) -> Path:
     stubs = scratch / "flbench" / "stubs"
-    for name, why in STUBBED.items():
-        if importlib.util.find_spec(name) is None:
-            write_text(stubs / name / "__init__.py", RAISING_STUB.format(name=name, why=why))
+    write_raising_stubs(stubs, STUBBED, "FL-bench")
     if importlib.util.find_spec("torchvision") is None or not torchvision_loads():
         for relative, text in TORCHVISION.items():
             write_text(stubs / "torchvision" / relative, text)
@@ -184,9 +172,8 @@ def torchvision_loads() -> bool:
 
 def environment(scratch: Path) -> dict[str, str]:
     """This process's environment, the stubs first on PYTHONPATH, one torch thread."""
-    stubs = str(scratch / "flbench" / "stubs")
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="1",
-                PYTHONPATH=os.pathsep.join([stubs, os.environ.get("PYTHONPATH", "")]))
+    return stubbed_environment(scratch / "flbench" / "stubs", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                               HYDRA_FULL_ERROR="1")
 
 
 def run_folder(checkout: Path, folder: Path) -> Path:
@@ -218,18 +205,10 @@ def flbench_initial_weights(checkout: Path, scratch: Path, seed: int, dataset: s
     build the same layers in the same order before drawing anything else.)"""
     if out.is_file():
         return out
-    import torch
-
     prepare_stubs(scratch)
-    script = scratch / "flbench" / "initial_weights.py"
-    write_text(script, INITIAL_WEIGHTS)
-    raw = out.with_suffix(".flbench.pt")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, str(script), str(flbench_root(checkout)), str(seed), dataset, str(raw)],
-                   env=environment(scratch), check=True)
-    weights = torch.load(raw, weights_only=True)
-    torch.save({pfedkit_layer_name(name): tensor for name, tensor in weights.items()}, out)
-    return out
+    return saved_initial_weights(scratch / "flbench" / "initial_weights.py", INITIAL_WEIGHTS,
+                                 [str(flbench_root(checkout)), str(seed), dataset], environment(scratch), out,
+                                 pfedkit_layer_name)
 
 
 def pfedkit_layer_name(flbench_name: str) -> str:

@@ -19,11 +19,12 @@ h5py is not stubbed: the server saves its curve with it and main.py reads it bac
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from scratch import saved_initial_weights, stubbed_environment, write_raising_stubs, write_text
 
 STUBBED = {
     "torchvision": "main.py imports it for torchvision's ResNet and GoogleNet models only",
@@ -34,12 +35,6 @@ CALMSIZE_STUB = '''"""Stub of calmsize for PFLlib's MemReporter (pfedkit conform
 
 def size(num_bytes):
     return float(num_bytes)
-'''
-RAISING_STUB = '''"""Stub of {name} for running PFLlib beside pfedkit (benchmarks/conformance): {why}."""
-
-
-def __getattr__(attribute):
-    raise ImportError("{name} is a stub here ({why}); install the real {name} to run a method that uses it")
 '''
 LAUNCHER = '''"""pfedkit conformance: run PFLlib's system/main.py with seed SEED added to every torch seed it sets
 (main.py seeds torch with 0 at import, each client again with 0) and numpy and random seeded with SEED.
@@ -86,20 +81,13 @@ DEVICE = re.compile(r"^device = (\S+)\s*$")
 def prepare_scratch(scratch: Path) -> Path:
     """Write the stubs and the launcher into `scratch`; returns the launcher's path."""
     stubs = scratch / "stubs"
-    for name, why in STUBBED.items():
-        if importlib.util.find_spec(name) is None:
-            write_text(stubs / name / "__init__.py", RAISING_STUB.format(name=name, why=why))
+    write_raising_stubs(stubs, STUBBED, "PFLlib")
     if importlib.util.find_spec("calmsize") is None:
         write_text(stubs / "calmsize" / "__init__.py", CALMSIZE_STUB)
     (scratch / "run" / "system").mkdir(parents=True, exist_ok=True)
     launcher = scratch / "seeded_main.py"
     write_text(launcher, LAUNCHER)
     return launcher
-
-
-def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def pfllib_system(checkout: Path) -> Path:
@@ -110,18 +98,12 @@ def pfllib_system(checkout: Path) -> Path:
     return system
 
 
-def stubbed_environment(scratch: Path, **extra: str) -> dict[str, str]:
-    """This process's environment with the scratch folder's stubs first on PYTHONPATH."""
-    return dict(os.environ, **extra,
-                PYTHONPATH=os.pathsep.join([str(scratch / "stubs"), os.environ.get("PYTHONPATH", "")]))
-
-
 def run_pfllib(checkout: Path, scratch: Path, seed: int, arguments: list[str], log: Path) -> int:
     """Run main.py of `checkout` with `arguments` (mapping.pfllib_arguments) and the seed; its output
     goes to `log`. Returns the exit code."""
     launcher = prepare_scratch(scratch)
     system = pfllib_system(checkout)
-    env = stubbed_environment(scratch, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = stubbed_environment(scratch / "stubs", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-u", str(launcher.resolve()), str(system), str(seed), *arguments]
     with open(log, "w") as out:
@@ -136,19 +118,11 @@ def pfllib_initial_weights(checkout: Path, scratch: Path, seed: int, model: tupl
     `conv1.weight`, which config `init_weights` reads). Kept if present."""
     if out.is_file():
         return out
-    import torch
-
     system = pfllib_system(checkout)
     prepare_scratch(scratch)
-    script = scratch / "initial_weights.py"
-    write_text(script, INITIAL_WEIGHTS)
-    raw = out.with_suffix(".pfllib.pt")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, str(script), str(system), str(seed), *map(str, model), str(raw)],
-                   env=stubbed_environment(scratch), check=True)
-    weights = torch.load(raw, weights_only=True)
-    torch.save({pfedkit_layer_name(name): tensor for name, tensor in weights.items()}, out)
-    return out
+    return saved_initial_weights(scratch / "initial_weights.py", INITIAL_WEIGHTS,
+                                 [str(system), str(seed), *map(str, model)], stubbed_environment(scratch / "stubs"),
+                                 out, pfedkit_layer_name)
 
 
 def pfedkit_layer_name(pfllib_name: str) -> str:
