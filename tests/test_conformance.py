@@ -248,7 +248,7 @@ def test_row_counts_only_seeds_evaluated_at_every_round():
     data = synthetic_curves({("pfedkit", 0): 0.9, ("PFLlib", 0): 0.9})
     unfinished = data[~((data["library"] == "PFLlib") & (data["round"] > 6))]
     row = curves.compare("m", unfinished, rounds=12)
-    assert row.pfllib is None and not row.complete
+    assert row.other is None and not row.complete
     assert "not run yet" in curves.markdown_row(row, "")
 
 

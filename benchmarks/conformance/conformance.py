@@ -46,11 +46,11 @@ from flbench_run import (curve_from_client_lines, curve_from_metrics, curve_from
                          flbench_initial_weights, metrics_file, normalisation, run_flbench, run_folder)
 from mapping import METHODS, PROTOCOL, SPLITS, Method, Split, pfedkit_overrides, pfllib_arguments  # noqa: E402
 from pfllib_data import MANIFEST, export_to_pfllib  # noqa: E402
+from pfllib_run import (curve_from_log, device_from_log, pfllib_initial_weights, run_pfllib,  # noqa: E402
+                        time_costs_from_log)
 
 FLBENCH = "FL-bench"
 OTHER_LIBRARIES = ("PFLlib", FLBENCH)
-from pfllib_run import (curve_from_log, device_from_log, pfllib_initial_weights, run_pfllib,  # noqa: E402
-                        time_costs_from_log)
 
 
 def dataset_name(split: Split, seed: int) -> str:
@@ -93,13 +93,18 @@ def flbench_folder(scratch: Path, split: Split, seed: int, method) -> Path:
     return scratch / "flbench" / "run" / f"{split.name}-s{seed}" / method.label
 
 
+def flbench_export(scratch: Path, split: Split, seed: int) -> Path:
+    """The split's export of the seed in FL-bench's format, shared by the methods' run folders."""
+    return scratch / "flbench" / "data" / f"{split.name}-s{seed}" / flbench_dataset(split)
+
+
 def prepare_flbench_folder(checkout: Path, scratch: Path, split: Split, seed: int, method,
                            data_dir: Path | None = None) -> Path:
     """The run folder with the checkout's code and, linked as data/<name>, the split's export of the
-    seed (written once into scratch/flbench/data/, shared by the methods)."""
-    name = flbench_dataset(split)
-    export = scratch / "flbench" / "data" / f"{split.name}-s{seed}" / name
-    export_split(split, seed, export, data_dir, normalised=normalisation(checkout, scratch, name))
+    seed (written once, flbench_export)."""
+    export, name = flbench_export(scratch, split, seed), flbench_dataset(split)
+    if not (export / MANIFEST).is_file():  # FL-bench's mean and std are read only for a new export
+        export_split(split, seed, export, data_dir, normalised=normalisation(checkout, scratch, name))
     folder = flbench_folder(scratch, split, seed, method)
     run_folder(checkout, folder)
     if not (folder / "data" / name).exists():
@@ -169,14 +174,14 @@ def pfedkit_command(run_dir: Path, arguments: list[str]) -> list[str] | None:
     return [*cli, *arguments]
 
 
-def flbench_curve(metrics: Path, method, exports: Path) -> dict[int, float]:
+def flbench_curve(metrics: Path, method, export: Path) -> dict[int, float]:
     """FL-bench's curve of a finished run, read where the method's evaluated model is (method.curve)."""
     if method.curve == "before":
         return curve_from_metrics(metrics)
     log = (metrics.parent / "main.log").read_text()
     if method.curve.startswith("test_results"):
         return curve_from_test_results(log, "after" if method.curve == "test_results_after" else "before")
-    manifest = json.loads(next(exports.glob(f"*/{MANIFEST}")).read_text())
+    manifest = json.loads((export / MANIFEST).read_text())
     return curve_from_client_lines(log, manifest["test_rows"])
 
 
@@ -190,7 +195,7 @@ def collect_curves(scratch: Path, split: Split, method: Method, seeds: list[int]
         if against == FLBENCH:
             folder = flbench_folder(scratch, split, seed, method)
             if (found := metrics_file(folder, method.flbench, flbench_dataset(split))) is not None:
-                curve = flbench_curve(found, method, scratch / "flbench" / "data" / f"{split.name}-s{seed}")
+                curve = flbench_curve(found, method, flbench_export(scratch, split, seed))
                 frames.append(curve_frame(FLBENCH, seed, {k + method.round_shift: a for k, a in curve.items()}))
             continue
         log = pfllib_log(scratch, split, method, seed)

@@ -75,19 +75,19 @@ def side_summary(curves: pd.DataFrame, library: str, rounds: int) -> SideSummary
 class Row:
     method: str
     pfedkit: SideSummary | None
-    pfllib: SideSummary | None    # the other library's side (PFLlib or FL-bench: other_library)
+    other: SideSummary | None     # the other library's side (PFLlib or FL-bench: other_library)
     other_library: str = "PFLlib"
 
     @property
     def complete(self) -> bool:
-        return self.pfedkit is not None and self.pfllib is not None
+        return self.pfedkit is not None and self.other is not None
 
     def difference(self, name: str) -> float:
-        return getattr(self.pfedkit, name) - getattr(self.pfllib, name)
+        return getattr(self.pfedkit, name) - getattr(self.other, name)
 
     @property
     def within_spread(self) -> bool:
-        return abs(self.difference("last10")) <= max(self.pfedkit.spread, self.pfllib.spread)
+        return abs(self.difference("last10")) <= max(self.pfedkit.spread, self.other.spread)
 
 
 def compare(method: str, curves: pd.DataFrame, rounds: int) -> Row:
@@ -107,10 +107,10 @@ def paired_last10(curves: pd.DataFrame, rounds: int) -> dict[int, float]:
 
 
 def markdown_row(row: Row, verdict: str) -> str:
-    """| method | rounds | seeds | pfedkit best / last-10 / round | PFLlib ... | differences | spread | verdict |"""
+    """| method | rounds | seeds | pfedkit best / last-10 / round | the other library's ... | differences | spread | verdict |"""
     if not row.complete:
         return f"| {row.method} | | | | | | | not run yet |"
-    kit, lib = row.pfedkit, row.pfllib
+    kit, lib = row.pfedkit, row.other
     sides = [f"{s.best:.2f} / {s.last10:.2f} / {s.round_of_best:.0f}" for s in (kit, lib)]
     differences = (f"{row.difference('best'):+.2f} / {row.difference('last10'):+.2f} / "
                    f"{row.difference('round_of_best'):+.0f}")
