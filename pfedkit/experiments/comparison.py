@@ -122,17 +122,20 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     return json.loads(summary_file.read_text()) if summary_file.is_file() else None
 
 
+def manifest_cells(out_dir: Path, manifest: dict[str, Any]) -> dict[tuple[str, str, int], tuple[Path, dict]]:
+    """{(group, label, seed): (run directory, manifest entry)} of a comparison's manifest, in its order."""
+    return {(item.get("group", ""), item.get("label", ""), int(seed)): (out_dir / path, item)
+            for item in manifest.get("entries", []) for seed, path in item.get("runs", {}).items()}
+
+
 def finished_records(out_dir: Path) -> list[RunRecord]:
     """The finished cells of a comparison directory, in its manifest's order: what its table holds
     so far (a sweep cut midway keeps them; `pfedkit compare` writes the table after every run)."""
     out_dir = Path(out_dir)
     records = []
-    for entry in read_manifest(out_dir).get("entries", []):
-        for seed, run in entry["runs"].items():
-            summary = read_summary(out_dir / run)
-            if summary is not None:
-                records.append(RunRecord(Entry(entry["label"], {"algorithm": entry.get("algorithm")}, entry["group"]),
-                                         int(seed), out_dir / run, summary))
+    for (group, label, seed), (run_dir, item) in manifest_cells(out_dir, read_manifest(out_dir)).items():
+        if (summary := read_summary(run_dir)) is not None:
+            records.append(RunRecord(Entry(label, {"algorithm": item.get("algorithm")}, group), seed, run_dir, summary))
     return records
 
 
@@ -154,8 +157,7 @@ def finished_cells_kept(out_dir: Path, earlier: dict[str, Any], planned: list[tu
     options included): the table would mix settings."""
     planned_cells = {(record.entry.group, record.entry.label, record.seed) for record, _ in planned}
     fixed = shared_settings([config for _, config in (scope or planned)])
-    candidates = {(item.get("group", ""), item.get("label", ""), int(seed)): out_dir / path
-                  for item in earlier.get("entries", []) for seed, path in item.get("runs", {}).items()}
+    candidates = {cell: run_dir for cell, (run_dir, _) in manifest_cells(out_dir, earlier).items()}
     expected = {}  # a cell of the scope must be the scope's run of it, every setting included
     for record, config in scope or []:
         cell = (record.entry.group, record.entry.label, record.seed)
