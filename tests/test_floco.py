@@ -25,8 +25,8 @@ from pfedkit.engine.trainer import FitJob, LocalTrainer, TrainSettings, batch_sc
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def algorithm(num_clients: int = 4, **options) -> Floco:
-    setup = Setup(num_clients, 3, np.ones((num_clients, 3)), 0, 1, ModelOps(TinyNet))
+def algorithm(num_clients: int = 4, seed: int = 0, **options) -> Floco:
+    setup = Setup(num_clients, 3, np.ones((num_clients, 3)), seed, 1, ModelOps(TinyNet))
     return Floco(Floco.Hyper(**{"num_endpoints": 3, **options}), setup)
 
 
@@ -36,6 +36,27 @@ def test_one_vertex_gives_the_metrics_of_fedavg(small_config):
     floco = pfedkit.run({**config, "algorithm": "floco", "floco": {"num_endpoints": 1, "projection_round": 1}}).metrics
     for column in ["round", "client", "accuracy", "loss", "train_loss", "bytes_up", "bytes_down"]:
         np.testing.assert_array_equal(floco[column].to_numpy(), fedavg[column].to_numpy(), err_msg=column)
+
+
+def test_vertices_start_xavier_normal_under_seed_plus_m_as_the_authors_code():
+    server = algorithm(seed=7).init_server(tiny_params(0))["params"]
+    for m, name in enumerate(["head.weight", "vertex.1", "vertex.2"]):
+        torch.manual_seed(7 + m)  # the authors' draw: fan_in 4, fan_out 3
+        expected = torch.empty(3, 4).normal_(0.0, math.sqrt(2.0 / (4 + 3)))
+        torch.testing.assert_close(server[name], expected, rtol=0, atol=0, msg=name)
+    assert torch.equal(server["body.0.weight"], tiny_params(0)["body.0.weight"])
+
+
+def test_pytorch_vertices_start_from_the_model_output_weight_and_seeded_reinitialisations():
+    params = tiny_params(0)
+    server = algorithm(seed=7, vertex_init="pytorch").init_server(params)["params"]
+    assert torch.equal(server["head.weight"], params["head.weight"])
+    again = algorithm(seed=7, vertex_init="pytorch").init_server(params)["params"]
+    other = algorithm(seed=8, vertex_init="pytorch").init_server(params)["params"]
+    for name in ["vertex.1", "vertex.2"]:
+        assert torch.equal(server[name], again[name]) and not torch.equal(server[name], other[name])
+        assert not torch.equal(server[name], params["head.weight"])
+    assert not torch.equal(server["vertex.1"], server["vertex.2"])
 
 
 def test_points_are_drawn_on_the_simplex_then_around_the_client_point():

@@ -228,13 +228,9 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "global after 10 aggregations on and evaluate at the points from round 10 on, but the "
                               "points come from models one round apart (the authors' Flower baseline, like pfedkit, "
                               "takes them from a regular round's uploads)",
-                              "vertex initialisation: FL-bench draws every vertex Xavier-normal under "
-                              "torch.manual_seed(seed + m) (src/server/floco.py:119-120, 188-192; std sqrt(2/522) = "
-                              "0.062), as the authors' Flower baseline does; pfedkit's vertex 0 is the model's own "
-                              "output "
-                              "weight and the others PyTorch's default Linear init under seeds of their own "
-                              "(U(+-1/sqrt(512)), "
-                              "std 0.026): no pfedkit option gives Xavier-normal vertices",
+                              "vertex initialisation: both draw every vertex Xavier-normal under the seed seed + m "
+                              "(src/server/floco.py:119-120, 188-192; pfedkit's default vertex_init=xavier_normal, "
+                              "the same tensors); with --init flbench the body is FL-bench's too",
                               "FL-bench's SimplexLinear keeps nn.Linear's own weight as a registered parameter that "
                               "the "
                               "`weight` property shadows (src/server/floco.py:114-125): never used in the forward "

@@ -3,8 +3,10 @@ arXiv:2403.03333): a solution simplex over the output layer, each client trainin
 
 The output layer's weight has M copies W_0..W_{M-1}, the vertices of a simplex; a point alpha of
 the standard simplex is the layer W(alpha) = sum_m alpha_m W_m (the bias and the body are single,
-as in FL-bench's SimplexLinear). W_0 is the model's own output weight, W_1..W_{M-1} travel as
-`Fit.extra` tensors "vertex.m". Each mini-batch of local training (a custom `Fit.step`):
+as in FL-bench's SimplexLinear). W_0 takes the place of the model's output weight, W_1..W_{M-1}
+travel as `Fit.extra` tensors "vertex.m". Every vertex starts Xavier-normal, W_m drawn under the
+seed `seed + m` (the authors' code, in FL-bench and their Flower baseline; `vertex_init`). Each
+mini-batch of local training (a custom `Fit.step`):
 
     alpha ~ R_i;   g = grad_W L(W(alpha));   W_m <- W_m - lr alpha_m g;   other parameters: plain SGD  (1)
 
@@ -20,7 +22,8 @@ components kappa_i, projected onto the simplex of radius z (Euclidean projection
     E(beta) = log( sum_{i<j} 1 / max(||beta_i - beta_j||, 1e-4)^2 ) - log #pairs   (Riesz 2-energy)       (3)
 
 A client is evaluated at its point beta_i (before the projection, or never projected: at the
-centre, 1/M each). M = 1 is FedAvg: one vertex, nothing to sample, the plain Fit.
+centre, 1/M each). M = 1 is FedAvg: the model's own output weight, nothing drawn or sampled, the
+plain Fit.
 
 Client state: none. Communication: down the model + M - 1 extra output weights (+ beta_i once
 projected), up the same model-sized tensors + n_i.
@@ -28,7 +31,7 @@ projected), up the same model-sized tensors + n_i.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -55,6 +58,12 @@ MIN_DISTANCE = 1e-4  # distances below count as this in the Riesz energy (eq. 3)
 def vertex_names(weight_name: str, count: int) -> list[str]:
     """The names of W_0..W_{count-1}: the model's output weight, then the extras."""
     return [weight_name] + [f"{VERTEX}{m}" for m in range(1, count)]
+
+
+def xavier_vertex(like: torch.Tensor, seed: int) -> torch.Tensor:
+    """A vertex drawn Xavier-normal (std sqrt(2 / (fan_in + fan_out))) from a generator seeded
+    with `seed`: the draw of torch.manual_seed(seed); xavier_normal_ in the authors' code."""
+    return torch.nn.init.xavier_normal_(torch.zeros_like(like), generator=torch.Generator().manual_seed(seed))
 
 
 def simplex_weight(params: Params, names: list[str], alpha) -> torch.Tensor:
@@ -167,6 +176,10 @@ class Floco(Algorithm):
                                       "give the clients' points of the simplex")
         radius: float = Field(0.1, ge=0, description="rho: L1 radius of a client's subregion around its point",
                               json_schema_extra=float_range(0.01, 0.5, log=True))
+        vertex_init: Literal["xavier_normal", "pytorch"] = Field(
+            "xavier_normal", description="how the vertices start: xavier_normal, W_m drawn under seed + m (the "
+            "authors' code); pytorch: W_0 the model's own output weight, the others PyTorch's default "
+            "initialisation under seeds of their own")
 
     def check(self) -> None:
         try:
@@ -184,12 +197,22 @@ class Floco(Algorithm):
     # --- state -------------------------------------------------------------------------------
 
     def init_server(self, params: Params) -> dict[str, Any]:
-        """Vertex 0 is the run's initial output weight; the others the output weights of models
-        re-initialised under seeds of their own (`clusters.seeded_models`)."""
-        weight, count = self.output_weight(), self.hyper.num_endpoints
-        models = clusters.seeded_models(self.setup.ops.build, params, count, self.setup.seed, "floco-vertex")
-        vertices = {f"{VERTEX}{m}": models[m][weight] for m in range(1, count)}
+        """The model with its output weight replaced by vertex 0, and the other vertices (M = 1:
+        the model unchanged)."""
+        if self.hyper.num_endpoints == 1:
+            return {"params": clone(params), "points": None}
+        vertices = dict(zip(self.vertices(), self.initial_vertices(params)))
         return {"params": {**clone(params), **vertices}, "points": None}
+
+    def initial_vertices(self, params: Params) -> list[torch.Tensor]:
+        """W_0..W_{M-1}: Xavier-normal under seed + m; or (vertex_init="pytorch") the run's
+        initial output weight, then the output weights of models re-initialised under seeds of
+        their own (`clusters.seeded_models`)."""
+        weight, count = self.output_weight(), self.hyper.num_endpoints
+        if self.hyper.vertex_init == "xavier_normal":
+            return [xavier_vertex(params[weight], self.setup.seed + m) for m in range(count)]
+        models = clusters.seeded_models(self.setup.ops.build, params, count, self.setup.seed, "floco-vertex")
+        return [models[m][weight] for m in range(count)]
 
     # --- round -------------------------------------------------------------------------------
 
