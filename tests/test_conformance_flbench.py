@@ -178,6 +178,16 @@ def test_every_pfedkit_value_of_the_protocol_is_what_the_run_resolves_to(label):
         assert mapping.dotted(config, key) == mapping.resolve_placeholder(value, split_config), key
 
 
+def test_paired_batches_are_the_meta_steps_batches_of_equal_clients_and_refused_otherwise():
+    config = mapping.read_split_config(mapping.SPLITS["mnist_fedrema"])
+    assert mapping.paired_batches(config) == 2 * 5 * 2  # 480 rows: 5 batches of 100, 2 pairs an epoch
+    odd = {**config, "batch_size": 60, "local_epochs": 3}  # 8 batches: 4 pairs an epoch
+    assert mapping.paired_batches(odd) == 2 * 3 * 4
+    assert mapping.resolve_placeholder("PAIRED_BATCHES", odd) == 24
+    with pytest.raises(SystemExit, match="the same size"):
+        mapping.paired_batches(mapping.read_split_config(mapping.SPLITS["cifar10_dir01"]))
+
+
 def test_flbench_arguments_run_one_epoch_more_than_the_rounds_under_the_seed():
     split = mapping.SPLITS["mnist_fedrema"]
     arguments = flbench_mapping.flbench_arguments(flbench_methods.FLBENCH_METHODS["FedAvg"], split, 25, 4)
@@ -245,7 +255,7 @@ def test_collect_curves_reads_pfedkit_flbench_runs_and_flbench_metrics(tmp_path)
 @pytest.mark.parametrize("arguments, message", [
     (["--method", "FedAvg"], "--flbench CHECKOUT is needed"),
     (["--method", "FedAvg", "--side", "PFLlib"], "--side is both, pfedkit or FL-bench"),
-    (["--method", "Per-FedAvg"], "not mapped against FL-bench"),
+    (["--method", "APPLE"], "not mapped against FL-bench"),
     (["--method", "SCAFFOLD", "--flbench", "x"], "not comparable against FL-bench: FL-bench never stores"),
 ])
 def test_run_against_flbench_refuses_what_it_cannot_run(tmp_path, arguments, message):

@@ -136,6 +136,24 @@ def test_adaptation_is_the_unclipped_inner_step_with_lr_alpha_from_the_evaluated
     assert PerFedAvg(hyper(), None).adapt(0, {"params": w}, None, w).lr is None  # alpha = the config's lr
 
 
+def test_eval_epochs_adapts_with_inner_steps_over_whole_epochs():
+    """eval_epochs = k (FL-bench's test-path fine-tune): k epochs of inner steps w <- w - alpha g on
+    consecutive batches of the schedule, still unclipped and without momentum."""
+    alpha = 0.5
+    settings = TrainSettings(local_epochs=3, batch_size=4, lr=0.05, momentum=0.9, grad_clip=1e-3, seed=5)
+    x, y = data(10)
+    w = tiny_params()
+    fit = PerFedAvg(hyper(alpha=alpha, eval_epochs=2), None).adapt(0, {"params": w}, None, w)
+    out, schedule = train(fit, settings, x, y)
+    assert len(schedule) == 2 * 3  # two epochs of 10 samples in batches of 4 (the last one kept)
+    expected = dict(w)
+    for batch in schedule:
+        grad = grad_at(expected, x[batch], y[batch])
+        expected = {k: expected[k] - alpha * grad[k] for k in expected}
+    for k in w:
+        torch.testing.assert_close(out[k], expected[k])
+
+
 def test_end_to_end_on_digits_beats_chance(small_config):
     """beta = alpha (PFLlib's choice): the default beta = 1e-3 barely moves in 3 rounds."""
     result = pfedkit.run({**small_config, "algorithm": "perfedavg", "threads": 1, "perfedavg": {"beta": 0.05}})

@@ -458,6 +458,27 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "batches differ from the plain FedBABU row's at the same seed (the same distribution)",
                               "training as the FedBABU row: body trained, head fixed (FL-bench zeroes its grads, "
                               "src/client/fedbabu.py:21-24, and averages the unchanged heads: rounding only)")),
+    FlbenchMethod("Per-FedAvg", "perfedavg", "perfedavg",
+                  {"perfedavg.variant": "fo", "perfedavg.beta": 0.001, "perfedavg.eval_epochs": 1,
+                   "local_steps": "PAIRED_BATCHES"},
+                  {"perfedavg.version": "fo", "perfedavg.beta": 0.001, "common.test.client.finetune_epoch": 1,
+                   "common.test.client.interval": 1}, curve="test_results_after",
+                  departures=("evaluation: FL-bench forces a test-path fine-tune of at least one epoch "
+                              "(src/server/perfedavg.py:25) and evaluates after it (FedAvgClient.test/finetune, "
+                              "src/client/fedavg.py:284-335: plain SGD at the run's lr on a copy, every batch of "
+                              "one shuffled epoch): test_results[k]'s 'after' side is pfedkit's round k with "
+                              "perfedavg.eval_epochs=1 (one epoch of inner steps at lr alpha = the run's lr); "
+                              "the paper and PFLlib evaluate after one step on one batch (pfedkit's default)",
+                              "local training: FL-bench takes floor(b / 2) first-order meta steps an epoch, "
+                              "batch pairs drawn from one iterator that runs on across epochs "
+                              "(src/client/perfedavg.py:28-33, 85-93): 2 E floor(b / 2) consecutive batches of "
+                              "reshuffled epochs, 20 on this split (5 batches of 480 rows); pfedkit local_steps = "
+                              "that count gives the same pairs of its schedule (10 meta steps)",
+                              "inner step with the client's SGD (lr 0.01, no momentum here), outer step with a "
+                              "plain SGD of lr beta = 1e-3 (src/client/perfedavg.py:14-16, 36-82): pfedkit's FO "
+                              "step, beta = 1e-3 on both (FL-bench's default and pfedkit's)",
+                              "aggregation: FL-bench weights every client 1 (src/client/perfedavg.py:22-25), "
+                              "pfedkit by n_i: the same here (every client holds 480 training rows)")),
     FlbenchMethod("FedProto", "fedproto", "fedproto",
                   {"fedproto.lam": 1.0, "fedproto.prediction": "head", "fedproto.global_feature_weighting": "uniform",
                    "fedproto.regulariser": "sample_mse"},

@@ -384,14 +384,30 @@ def pfedkit_overrides(method: Method, split: Split, seed: int, rounds: int) -> l
 
 
 def resolve_placeholder(value, config: dict):
-    """'LR' -> the split's lr, '2E' -> twice its local epochs, 'B' -> its batch size; anything else as is."""
+    """'LR' -> the split's lr, '2E' -> twice its local epochs, 'B' -> its batch size, 'PAIRED_BATCHES'
+    -> `paired_batches`; anything else as is."""
     if value == "LR":
         return config["lr"]
     if value == "B":
         return config["batch_size"]
     if value == "2E":
         return 2 * config["local_epochs"]
+    if value == "PAIRED_BATCHES":
+        return paired_batches(config)
     return value
+
+
+def paired_batches(config: dict) -> int:
+    """2 E floor(b / 2): the batches of E epochs that each use floor(b / 2) pairs of their b = ceil(n / B)
+    batches (the last one kept), n the training rows of every client; only for a split whose clients
+    all hold samples_per_client * train_ratio training rows."""
+    partition = config.get("partition", {})
+    if "samples_per_client" not in partition or "train_ratio" not in partition:
+        raise SystemExit("this row needs a split whose clients are all the same size (partition "
+                         "samples_per_client and train_ratio)")
+    rows = round(partition["samples_per_client"] * partition["train_ratio"])
+    batches = -(-rows // config["batch_size"])
+    return 2 * config["local_epochs"] * (batches // 2)
 
 
 def read_split_config(split: Split) -> dict:

@@ -16,7 +16,8 @@ momentum kept per client with keep_optimizer_state), so that a table whose other
 momentum and clipping can run Per-FedAvg at the same settings.
 
 Evaluated model: the global model after ONE inner step w - alpha grad F(w; D) on one training batch
-(`Algorithm.adapt`, PFLlib's evaluate_one_step); the adapted copy is thrown away. It is the inner
+(`Algorithm.adapt`, PFLlib's evaluate_one_step); the adapted copy is thrown away. `eval_epochs: k`
+takes k epochs of such steps instead (FL-bench's test path fine-tunes one epoch). It is the inner
 step of the meta objective, so, like it, it ignores the config's gradient clipping, weight decay
 and momentum: a clipped step would evaluate a point the meta-training never optimised.
 Communication: the model down, the model + n_i up.
@@ -92,6 +93,9 @@ class PerFedAvg(FedAvg):
         beta: float = Field(0.001, ge=0, description="outer (meta) step size beta",
                             json_schema_extra=float_range(0.0001, 0.01, log=True))
         delta: float = Field(0.001, gt=0, description="finite-difference step of the HF variant")
+        eval_epochs: int | None = Field(None, ge=1, description=(
+            "the evaluated model's adaptation: None, one inner step on one training batch (the paper, "
+            "PFLlib); k, k epochs of inner steps (FL-bench fine-tunes one epoch)"))
         trainer_optimizer: bool = Field(False, description=(
             "the outer (meta) step through the config's SGD settings: grad_clip, momentum, weight "
             "decay, kept momentum (keep_optimizer_state); false: w - beta g, as the authors' code"))
@@ -104,5 +108,7 @@ class PerFedAvg(FedAvg):
                    batches_per_step=3 if self.hyper.variant == "hf" else 2)
 
     def adapt(self, cid: int, server: dict, client: None, params: Params) -> Fit:
-        """The inner step (lr alpha, one training batch) from the evaluated (global) model."""
-        return Fit(params, steps=1, lr=self.hyper.alpha, step=inner_step)
+        """The inner step (lr alpha, one training batch; or `eval_epochs` epochs of them) from the
+        evaluated (global) model."""
+        epochs = self.hyper.eval_epochs
+        return Fit(params, steps=1 if epochs is None else None, epochs=epochs, lr=self.hyper.alpha, step=inner_step)
