@@ -479,6 +479,24 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "step, beta = 1e-3 on both (FL-bench's default and pfedkit's)",
                               "aggregation: FL-bench weights every client 1 (src/client/perfedavg.py:22-25), "
                               "pfedkit by n_i: the same here (every client holds 480 training rows)")),
+    FlbenchMethod("CFL", "cfl", "cfl",
+                  {"cfl.eps1": 0.4, "cfl.eps2": 1.6, "cfl.warmup": 21, "cfl.min_cluster_size": 2,
+                   "cfl.update_weighting": "uniform"},
+                  {"cfl.eps_1": 0.4, "cfl.eps_2": 1.6, "cfl.min_cluster_size": 2, "cfl.start_clustering_round": 20},
+                  departures=("warm-up: FL-bench may split from epoch 20 (0-based, src/server/cfl.py:59), the 21st "
+                              "round: pfedkit warmup = 21 (its rounds count from 1)",
+                              "FL-bench keeps a model per client and adds its cluster's mean update to each member "
+                              "(src/server/cfl.py:14, 95-112): members of a cluster hold the same model, pfedkit's "
+                              "cluster model; the mean is uniform (:103), pfedkit update_weighting=uniform (the same "
+                              "as n_i here: 480 rows each)",
+                              "FL-bench's bi-partition returns positions inside the split cluster "
+                              "(np.argwhere(labels_ == k), src/server/cfl.py:84-90) and stores them as client ids "
+                              "(:61-64): right for a cluster whose members are clients 0..k-1 (the first split of "
+                              "everyone), wrong for a later split of any other cluster; pfedkit maps positions back "
+                              "to clients. Where a run splits more than once the sides can differ for that reason",
+                              "complete linkage on -cos (scikit-learn, precomputed) against pfedkit's 1 - cos "
+                              "(scipy): the same tree (a constant shift); which half keeps the old index is "
+                              "labelling only")),
     FlbenchMethod("FedProto", "fedproto", "fedproto",
                   {"fedproto.lam": 1.0, "fedproto.prediction": "head", "fedproto.global_feature_weighting": "uniform",
                    "fedproto.regulariser": "sample_mse"},
