@@ -149,7 +149,10 @@ METHODS = {m.label: m for m in (
                        "(clientpFedMe.py:79-81): not yet compared with pfedkit's evaluated model")),
     Method("APFL", "apfl", "APFL", {"apfl.alpha_init": 0.5, "apfl.adaptive": True}, {"-al": 0.5},
            departures=("PFLlib's alpha step adds 0.02 alpha to the gradient and clips alpha to [0, 1] "
-                       "(clientapfl.py:76-78): not in pfedkit, not yet measured",)),
+                       "(clientapfl.py:76-78): not in pfedkit, not yet measured",
+                       "PFLlib overwrites the personal model v_i with the mixture (1 - alpha) w_i + alpha v_i after "
+                       "training (clientapfl.py:58-59), so the next round's v starts from that mixture; pfedkit "
+                       "keeps the trained v_i and mixes only to evaluate (the paper's reading)")),
     Method("FedAMP", "fedamp", "FedAMP", {"fedamp.alpha_k": 1.0, "fedamp.lam": 1.0, "fedamp.sigma": 1.0},
            {"-alk": 1.0, "-lam": 1.0, "-sg": 1.0},
            departures=("PFLlib's defaults (alpha_K = lam = sigma = 1) on both; pfedkit's are cwFedAvg's",)),
@@ -159,7 +162,11 @@ METHODS = {m.label: m for m in (
                        "pfedkit draws them at random once per client",)),
     Method("FedGH", "fedgh", "FedGH", {"fedgh.server_lr": 1.0, "fedgh.server_batch_size": "B"}, {"-slr": 1.0},
            departures=("PFLlib trains the server head on the prototypes with the clients' batch size "
-                       "(servergh.py:93): pfedkit's server_batch_size = B",)),
+                       "(servergh.py:93): pfedkit's server_batch_size = B",
+                       "PFLlib's server head is client 0's head module (servergh.py:27; clientgh.py:47-49 copies "
+                       "it onto itself): client 0's local training moves it, so each round's server training "
+                       "starts from client 0's trained head; pfedkit's server head is its own, trained from the "
+                       "previous global head (the paper's reading)")),
     Method("FedRoD", "fedrod", "FedROD", {"fedrod.gamma": 1.0}),
     Method("FedPAC", "fedpac", "FedPAC", {"fedpac.lam": 1.0}, {"-lam": 1.0},
            departures=("PFLlib's FedPAC needs the real cvxpy (its head weights); not stubbed for this method",)),
@@ -317,7 +324,10 @@ METHODS_I_II = (
                        "it clips the mentor, mentee and W_h at norm 10 (clientkd.py:80-82); pfedkit's FedKD step "
                        "does not clip",
                        "PFLlib decays the mentee's and W_h's learning rates with ExponentialLR "
-                       "(clientkd.py:18-26); pfedkit keeps them constant")),
+                       "(clientkd.py:18-26); pfedkit keeps them constant",
+                       "PFLlib's W_h is nn.Linear(d, d, bias=False) with PyTorch's default initialisation "
+                       "(clientkd.py:24); pfedkit's starts as the identity (docs/algorithms/fedkd.md, [ours]): "
+                       "the hidden loss starts at 0 in pfedkit, not in PFLlib")),
     Method("FML", "fml", "FML", {"fml.alpha": 0.5, "fml.beta": 0.5, "fml.kl_reduction": "pfllib",
                                  "fml.cross_gradients": True, "fml.weighting": "uniform"}, {"-al": 0.5, "-bt": 0.5},
            departures=("PFLlib's alpha is -al, default 1, its beta -bt, default 0 (main.py:465, 446): the local "
