@@ -38,6 +38,31 @@ def fedopt_method(label: str, server: str) -> FlbenchMethod:
         "Adagrad's "
         "rule (:112-123); x += lr m / (sqrt(v) + tau) (:107-110); no bias correction on either side"))
 
+def cfl_method(label: str, eps1: float, eps2: float, start_epoch: int) -> FlbenchMethod:
+    """CFL at the given thresholds, splitting from FL-bench's 0-based epoch `start_epoch` on. "CFL" takes
+    FL-bench's defaults, under which no cluster splits in 25 rounds on this split (every client's update
+    norm stays below 0.43 < eps2 = 1.6): CFL is FedAvg there. "CFL-split" takes thresholds read off a
+    pfedkit run (seed 0: mean / max update norm 0.17 / 0.26 at round 9, max 0.23 at round 10) so that
+    one split of all clients happens at round 9 and no later one (the one FL-bench splits right)."""
+    return FlbenchMethod(label, "cfl", "cfl",
+                         {"cfl.eps1": eps1, "cfl.eps2": eps2, "cfl.warmup": start_epoch + 1, "cfl.min_cluster_size": 2,
+                          "cfl.update_weighting": "uniform"},
+                         {"cfl.eps_1": eps1, "cfl.eps_2": eps2, "cfl.min_cluster_size": 2,
+                          "cfl.start_clustering_round": start_epoch},
+                         departures=(
+        "warm-up: FL-bench may split from its epoch start_clustering_round (0-based, src/server/cfl.py:59), "
+        "pfedkit from round warmup (1-based): warmup = start_clustering_round + 1",
+        "FL-bench keeps a model per client and adds its cluster's mean update to each member "
+        "(src/server/cfl.py:14, 95-112): members of a cluster hold the same model, pfedkit's cluster model; "
+        "the mean is uniform (:103), pfedkit update_weighting=uniform (the same as n_i here: 480 rows each)",
+        "FL-bench's bi-partition returns positions inside the split cluster (np.argwhere(labels_ == k), "
+        "src/server/cfl.py:84-90) and stores them as client ids (:61-64): right for a cluster whose members "
+        "are clients 0..k-1 (the first split of everyone), wrong for a later split of any other cluster; "
+        "pfedkit maps positions back to clients. Where a run splits more than once the sides can differ",
+        "complete linkage on -cos (scikit-learn, precomputed) against pfedkit's 1 - cos (scipy): the same "
+        "tree (a constant shift); which half keeps the old index is labelling only"))
+
+
 FLBENCH_METHODS = {m.label: m for m in (
     FlbenchMethod("FedAvg", "fedavg", "fedavg"),
     FlbenchMethod("Local", "local", "local",
@@ -479,24 +504,8 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "step, beta = 1e-3 on both (FL-bench's default and pfedkit's)",
                               "aggregation: FL-bench weights every client 1 (src/client/perfedavg.py:22-25), "
                               "pfedkit by n_i: the same here (every client holds 480 training rows)")),
-    FlbenchMethod("CFL", "cfl", "cfl",
-                  {"cfl.eps1": 0.4, "cfl.eps2": 1.6, "cfl.warmup": 21, "cfl.min_cluster_size": 2,
-                   "cfl.update_weighting": "uniform"},
-                  {"cfl.eps_1": 0.4, "cfl.eps_2": 1.6, "cfl.min_cluster_size": 2, "cfl.start_clustering_round": 20},
-                  departures=("warm-up: FL-bench may split from epoch 20 (0-based, src/server/cfl.py:59), the 21st "
-                              "round: pfedkit warmup = 21 (its rounds count from 1)",
-                              "FL-bench keeps a model per client and adds its cluster's mean update to each member "
-                              "(src/server/cfl.py:14, 95-112): members of a cluster hold the same model, pfedkit's "
-                              "cluster model; the mean is uniform (:103), pfedkit update_weighting=uniform (the same "
-                              "as n_i here: 480 rows each)",
-                              "FL-bench's bi-partition returns positions inside the split cluster "
-                              "(np.argwhere(labels_ == k), src/server/cfl.py:84-90) and stores them as client ids "
-                              "(:61-64): right for a cluster whose members are clients 0..k-1 (the first split of "
-                              "everyone), wrong for a later split of any other cluster; pfedkit maps positions back "
-                              "to clients. Where a run splits more than once the sides can differ for that reason",
-                              "complete linkage on -cos (scikit-learn, precomputed) against pfedkit's 1 - cos "
-                              "(scipy): the same tree (a constant shift); which half keeps the old index is "
-                              "labelling only")),
+    cfl_method("CFL", 0.4, 1.6, 20),
+    cfl_method("CFL-split", 0.25, 0.24, 8),
     FlbenchMethod("FedProto", "fedproto", "fedproto",
                   {"fedproto.lam": 1.0, "fedproto.prediction": "head", "fedproto.global_feature_weighting": "uniform",
                    "fedproto.regulariser": "sample_mse"},
