@@ -155,6 +155,16 @@ def test_stubs_import_but_refuse_to_be_used(tmp_path, monkeypatch):
     assert result.stdout.count("not in the conformance stub") == 2
 
 
+def test_a_stub_left_for_a_package_installed_since_is_removed(tmp_path, monkeypatch):
+    stubs = tmp_path / "flbench" / "stubs"
+    monkeypatch.setattr(flbench_run, "STUBBED", {"json": "a test", "no_such_package_here": "a test"})
+    monkeypatch.setattr(flbench_run, "torchvision_loads", lambda: False)
+    (stubs / "json").mkdir(parents=True)
+    (stubs / "json" / "__init__.py").write_text("raise ImportError")  # written before json was 'installed'
+    flbench_run.prepare_stubs(tmp_path)
+    assert not (stubs / "json").exists() and (stubs / "no_such_package_here" / "__init__.py").is_file()
+
+
 def test_a_folder_that_is_not_an_flbench_checkout_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="not an FL-bench checkout"):
         flbench_run.flbench_root(tmp_path)

@@ -161,6 +161,8 @@ def prepare_stubs(scratch: Path) -> Path:
     if importlib.util.find_spec("torchvision") is None or not torchvision_loads():
         for relative, text in TORCHVISION.items():
             write_text(stubs / "torchvision" / relative, text)
+    else:  # a stub from a run before torchvision loaded would hide it
+        shutil.rmtree(stubs / "torchvision", ignore_errors=True)
     return stubs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +26,13 @@ def write_text(path: Path, text: str) -> None:
 
 def write_raising_stubs(stubs: Path, stubbed: dict[str, str], library: str) -> None:
     """A stub package in `stubs` for each of `stubbed` ({name: why}) that this Python cannot import;
-    it imports, and raises naming itself when used."""
+    it imports, and raises naming itself when used. A stub left by an earlier run for a package
+    installed since is removed: first on the path, it would hide the real one."""
     for name, why in stubbed.items():
         if importlib.util.find_spec(name) is None:
             write_text(stubs / name / "__init__.py", RAISING_STUB.format(name=name, why=why, library=library))
+        else:
+            shutil.rmtree(stubs / name, ignore_errors=True)
 
 
 def stubbed_environment(stubs: Path, **extra: str) -> dict[str, str]:
