@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from scratch import saved_initial_weights, stubbed_environment, write_raising_stubs, write_text
+from scratch import place_stub, saved_initial_weights, stubbed_environment, write_raising_stubs
 
 CODE = ("main.py", "config", "src", Path("data") / "utils")
 STUBBED = {
@@ -158,11 +158,8 @@ def flbench_root(checkout: Path) -> Path:
 def prepare_stubs(scratch: Path) -> Path:
     stubs = scratch / "flbench" / "stubs"
     write_raising_stubs(stubs, STUBBED, "FL-bench")
-    if importlib.util.find_spec("torchvision") is None or not torchvision_loads():
-        for relative, text in TORCHVISION.items():
-            write_text(stubs / "torchvision" / relative, text)
-    else:  # a stub from a run before torchvision loaded would hide it
-        shutil.rmtree(stubs / "torchvision", ignore_errors=True)
+    place_stub(stubs, "torchvision", TORCHVISION,
+               needed=importlib.util.find_spec("torchvision") is None or not torchvision_loads())
     return stubs
 
 

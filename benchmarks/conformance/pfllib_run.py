@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scratch import saved_initial_weights, stubbed_environment, write_raising_stubs, write_text
+from scratch import place_stub, saved_initial_weights, stubbed_environment, write_raising_stubs, write_text
 
 STUBBED = {
     "torchvision": "main.py imports it for torchvision's ResNet and GoogleNet models only",
@@ -82,8 +82,7 @@ def prepare_scratch(scratch: Path) -> Path:
     """Write the stubs and the launcher into `scratch`; returns the launcher's path."""
     stubs = scratch / "stubs"
     write_raising_stubs(stubs, STUBBED, "PFLlib")
-    if importlib.util.find_spec("calmsize") is None:
-        write_text(stubs / "calmsize" / "__init__.py", CALMSIZE_STUB)
+    place_stub(stubs, "calmsize", {"__init__.py": CALMSIZE_STUB}, needed=importlib.util.find_spec("calmsize") is None)
     (scratch / "run" / "system").mkdir(parents=True, exist_ok=True)
     launcher = scratch / "seeded_main.py"
     write_text(launcher, LAUNCHER)

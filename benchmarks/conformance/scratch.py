@@ -24,15 +24,22 @@ def write_text(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def place_stub(stubs: Path, name: str, files: dict[str, str], needed: bool) -> None:
+    """The stub package `name` in `stubs` ({relative path: text}) where `needed`; otherwise any stub an
+    earlier run left there is removed: first on the path, it would hide the real package installed since."""
+    if needed:
+        for relative, text in files.items():
+            write_text(stubs / name / relative, text)
+    else:
+        shutil.rmtree(stubs / name, ignore_errors=True)
+
+
 def write_raising_stubs(stubs: Path, stubbed: dict[str, str], library: str) -> None:
     """A stub package in `stubs` for each of `stubbed` ({name: why}) that this Python cannot import;
-    it imports, and raises naming itself when used. A stub left by an earlier run for a package
-    installed since is removed: first on the path, it would hide the real one."""
+    it imports, and raises naming itself when used (`place_stub`)."""
     for name, why in stubbed.items():
-        if importlib.util.find_spec(name) is None:
-            write_text(stubs / name / "__init__.py", RAISING_STUB.format(name=name, why=why, library=library))
-        else:
-            shutil.rmtree(stubs / name, ignore_errors=True)
+        place_stub(stubs, name, {"__init__.py": RAISING_STUB.format(name=name, why=why, library=library)},
+                   needed=importlib.util.find_spec(name) is None)
 
 
 def stubbed_environment(stubs: Path, **extra: str) -> dict[str, str]:
