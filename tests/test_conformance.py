@@ -252,6 +252,19 @@ def test_row_counts_only_seeds_evaluated_at_every_round():
     assert "not run yet" in curves.markdown_row(row, "")
 
 
+def test_row_compares_from_the_first_round_every_side_evaluated():
+    """FL-bench's test path has no round 1 (CCVR): the row compares both sides over rounds 2..R, so
+    pfedkit's round 1 counts neither for its best nor against a missing FL-bench point."""
+    data = synthetic_curves({("pfedkit", 0): 0.9, ("FL-bench", 0): 0.9})
+    data.loc[(data["library"] == "pfedkit") & (data["round"] == 1), "accuracy"] = 0.99  # pfedkit's best, round 1
+    late = data[~((data["library"] == "FL-bench") & (data["round"] == 1))]
+    assert curves.first_common_round(late) == 2 and curves.first_common_round(data) == 1
+    assert not curves.compare("m", late, rounds=12).complete  # rounds 1..12 wanted: FL-bench lacks round 1
+    row = curves.compare("m", late, rounds=12, first=2)
+    assert row.complete and row.pfedkit.best == pytest.approx(90.0) and row.pfedkit.round_of_best == 12
+    assert "12 (rounds 2-12 compared)" in curves.markdown_row(row, "agree")
+
+
 # --- the facts FedDistill's rows rest on (pfedkit's distillation terms) ----------------------------
 
 def test_pfllib_ce_term_is_unbounded_below_as_pfllib_d832e76_fd_loss_while_the_kl_is_not():

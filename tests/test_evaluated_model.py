@@ -677,11 +677,12 @@ def pfedfda_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
 
 def knnper(parts: Parts, cid: int) -> Expected:
     """The global model (FedAvg of the trained models), predicting with the client's datastore: the
-    embeddings of its training set under the model it downloaded in the last round (with the
-    buffers it is evaluated with) and the training labels."""
+    embeddings of its training set under that same model (with the buffers it is evaluated with),
+    the training labels, and that model's head."""
     data, buffers = parts.rec.runtime.data.clients[cid], parts.rec.evaluated[ROUNDS, cid][1]
-    keys = parts.algorithm.setup.ops.features(parts.download(cid)["params"], data.x_train, buffers)
-    return Expected(averaged(parts), client={"keys": keys, "labels": data.y_train})
+    params = averaged(parts)
+    keys = parts.algorithm.setup.ops.features(params, data.x_train, buffers)
+    return Expected(params, client={"params": params, "keys": keys, "labels": data.y_train})
 
 
 def knnper_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
@@ -692,8 +693,13 @@ def knnper_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
             return with_client(right, keys=keys)
         return assemble
 
-    return {"no datastore (the global model alone)":
-            lambda cid: with_client(knnper(parts, cid), keys=None, labels=None),
+    def no_memory(cid: int) -> Expected:
+        right = knnper(parts, cid)
+        return with_client(right, keys=right.client["keys"][:0], labels=right.client["labels"][:0])
+
+    return {"no datastore (the global model alone)": no_memory,
+            "a datastore built with the model downloaded in the last round": memory_of(
+                lambda cid: parts.download(cid)["params"]),
             "a datastore built with the client's trained model": memory_of(lambda cid: parts.trained(cid, -1))}
 
 
@@ -1047,7 +1053,10 @@ def own_loss(rec: Recording, parts: Parts, cid: int, expected: Expected) -> floa
         params, buffers = outcome.params, outcome.buffers
     predict = None
     server = parts.server if expected.server is None else expected.server
-    client = parts.clients[cid] if expected.client is None else expected.client
+    client = expected.client
+    if client is None:  # what the client predicts with, built from the stored state as the engine does
+        evaluated = replace(data, buffers_source=lambda: buffers)
+        client = algorithm.evaluation_state(cid, server, parts.clients[cid], params, evaluated)
     if expected.predict_inputs is not None:
         predict = OnInputs(partial(expected.predict_inputs, server, client, buffers))
     elif algorithm.has_input_predict():

@@ -1,6 +1,6 @@
 """kNN-Per: the kNN distribution (eq. 2) against a hand computation, the interpolation (eq. 1) in
 both readings, lam = 0 giving the global model's predictions exactly (FedAvg's metrics), the
-datastore built with the downloaded model, and a digits run."""
+datastore built at evaluation with the evaluated model, and a digits run."""
 from __future__ import annotations
 
 import math
@@ -56,30 +56,38 @@ def test_interpolation_mixes_probabilities_or_logits():
     assert pure.argmax().item() == 1 and torch.isfinite(pure).all()  # log(0) floored: a finite loss
 
 
-def test_datastore_holds_the_training_embeddings_under_the_downloaded_model():
+def test_datastore_holds_the_training_embeddings_under_the_evaluated_model():
+    """Built at evaluation from the model being measured (its BatchNorm statistics from `data`),
+    not from the model downloaded in the client's last round; training keeps no state."""
     algo = algorithm()
     x = torch.linspace(-1, 1, 18).reshape(6, 3)
     y = torch.tensor([0, 1, 2, 0, 1, 2])
     data = ClientData(0, x, y, x[:2], y[:2], np.bincount(y.numpy(), minlength=3))
-    downloaded, trained = tiny_params(1), tiny_params(2)
+    downloaded, trained, evaluated = tiny_params(1), tiny_params(2), tiny_params(3)
     update = algo.client_update(1, 0, algo.init_client(0, downloaded), {"params": downloaded}, data)
     assert next(update).params is downloaded
     with pytest.raises(StopIteration) as stop:
         update.send(trained)
     state, reply = stop.value.value
-    torch.testing.assert_close(state["keys"], ModelOps(TinyNet).features(downloaded, x))
-    assert torch.equal(state["labels"], y) and reply == {"params": trained, "weight": 6}
+    assert state is None and reply == {"params": trained, "weight": 6}
+    memory = algo.evaluation_state(0, {"params": downloaded}, state, evaluated, data)
+    torch.testing.assert_close(memory["keys"], ModelOps(TinyNet).features(evaluated, x))
+    assert not torch.allclose(memory["keys"], ModelOps(TinyNet).features(downloaded, x))
+    assert torch.equal(memory["labels"], y) and memory["params"] is evaluated
 
 
-def test_prediction_is_the_global_model_without_a_datastore_and_the_labels_of_neighbours_at_lam_one():
+def test_prediction_reads_the_evaluated_head_the_labels_of_neighbours_and_an_empty_store_falls_back():
     algo = algorithm(lam=1.0, k=1)
-    server = {"params": tiny_params(3)}
+    server, evaluated = {"params": tiny_params(4)}, tiny_params(3)
     features = torch.tensor([[0.1, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 5.0]])
-    head = ModelOps(TinyNet).head_logits(server["params"], features)
-    empty = algo.predict(0, server, algo.init_client(0, server["params"]), features)
-    torch.testing.assert_close(empty, F.log_softmax(head, dim=1))
-    memory = {"keys": torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]]), "labels": torch.tensor([2, 0])}
+    head = ModelOps(TinyNet).head_logits(evaluated, features)
+    empty = {"params": evaluated, "keys": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long)}
+    torch.testing.assert_close(algo.predict(0, server, empty, features), F.log_softmax(head, dim=1))
+    memory = {**empty, "keys": torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 4.0]]), "labels": torch.tensor([2, 0])}
     assert algo.predict(0, server, memory, features).argmax(dim=1).tolist() == [2, 0]
+    half = algorithm(lam=0.5, k=1).predict(0, server, memory, features).exp()
+    expected = 0.5 * F.one_hot(torch.tensor([2, 0]), 3) + 0.5 * F.softmax(head, dim=1)
+    torch.testing.assert_close(half, expected.float())
 
 
 def test_lam_zero_gives_the_metrics_of_fedavg(small_config):
@@ -91,10 +99,8 @@ def test_lam_zero_gives_the_metrics_of_fedavg(small_config):
     np.testing.assert_allclose(knnper["loss"].to_numpy(), fedavg["loss"].to_numpy(), rtol=1e-5)
 
 
-def test_digits_run_learns_and_keeps_each_datastore(small_config):
+def test_digits_run_learns_and_keeps_no_datastore_between_rounds(small_config):
     result = pfedkit.run({**small_config, "algorithm": "knnper"})
     last = result.metrics[result.metrics["round"] == 3]
     assert last["correct"].sum() / last["n_test"].sum() > 0.5
-    state = final_state(result)
-    for client in state.clients:
-        assert client["keys"].shape[0] == client["labels"].shape[0] > 0
+    assert all(client is None for client in final_state(result).clients)

@@ -173,6 +173,31 @@ def test_finetuning_is_E_epochs_of_the_trainer_from_the_received_model(tmp_path)
     assert row["loss"] == pytest.approx(loss, rel=1e-5)
 
 
+def test_a_knnper_newcomer_predicts_with_a_datastore_of_its_finetuned_model(tmp_path):
+    """`evaluation_state` sees the model a newcomer is measured with (after its fine-tuning): its
+    datastore embeds the training split with that model, whose head it mixes with (lam 0.5)."""
+    from pfedkit.algorithms.knnper import interpolated_logits, knn_distribution
+
+    config = load_config(base(tmp_path, algorithm="knnper", new_clients=1, new_client_finetune=1, rounds=1,
+                              knnper={"k": 3}))
+    context = prepare(config, state_dir=tmp_path / "states")
+    sim, state = context.simulation, context.state
+    sim.run_round(state)
+    (cid,) = sim.new_clients
+    data, ops = context.data.clients[cid], sim.algorithm.setup.ops
+    trainer = LocalTrainer(ops.build, train_settings(config))
+    outcome = trainer.fit(FitJob(1, cid, 0, Fit(state.server["params"], epochs=1), state.buffers[cid], None,
+                                 purpose=NEW_CLIENT_PURPOSE), data.x_train, data.y_train)
+    with torch.no_grad():
+        keys = ops.features(outcome.params, data.x_train, outcome.buffers)
+        features = ops.features(outcome.params, data.x_test, outcome.buffers)
+        knn = knn_distribution(features, keys, data.y_train, k=3, scale=1.0, num_classes=10)
+        logits = interpolated_logits(ops.head_logits(outcome.params, features), knn, 0.5, "probabilities")
+    row = pd.DataFrame(state.rows).query("client == @cid").iloc[0]
+    assert row["correct"] == int((logits.argmax(dim=1) == data.y_test).sum())
+    assert row["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, data.y_test)), rel=1e-5)
+
+
 def test_no_new_clients_keeps_the_metrics_columns_and_the_sampling(tmp_path):
     """new_clients=0: no `new_client` column (metrics.csv as before this option) and the round's
     participants are exactly `sample_clients` over all N clients, as before."""

@@ -37,7 +37,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from curves import compare, curve_frame, markdown_row, paired_last10, pfedkit_curve, table_header  # noqa: E402
+from curves import compare, curve_frame, first_common_round, markdown_row, paired_last10, pfedkit_curve, table_header  # noqa: E402
 from flbench_data import export_to_flbench  # noqa: E402
 from flbench_mapping import (flbench_arguments, flbench_dataset, flbench_mapping_text,  # noqa: E402
                              flbench_pfedkit_overrides)
@@ -339,7 +339,7 @@ def command_row(ns: argparse.Namespace) -> int:
     curves = pd.read_csv(ns.curves)
     evaluated = curves[curves["round"] >= 1].groupby("library")["round"].max()
     rounds = ns.rounds or int(evaluated.min())
-    row = compare(ns.curves.stem, curves, rounds)
+    row = compare(ns.curves.stem, curves, rounds, first_common_round(curves))
     print(table_header(row.other_library))
     print(markdown_row(row, ns.verdict or ("agree" if row.complete and row.within_spread else "differs")))
     paired = paired_last10(curves, rounds)

@@ -51,6 +51,7 @@ class SideSummary:
     round_of_best: float   # mean over seeds
     spread: float          # max - min over seeds of the last-10 means, percent
     rounds: int
+    first: int = 1         # the first round compared (2 where the other library never evaluates round 1)
 
 
 def seed_summary(accuracy: pd.Series) -> tuple[float, float, int]:
@@ -59,16 +60,16 @@ def seed_summary(accuracy: pd.Series) -> tuple[float, float, int]:
     return 100 * accuracy.max(), 100 * accuracy.iloc[-LAST:].mean(), int(accuracy.idxmax())
 
 
-def side_summary(curves: pd.DataFrame, library: str, rounds: int) -> SideSummary | None:
-    """One library's summary over its seeds, counting only seeds evaluated at every round 1..rounds."""
-    side = curves[(curves["library"] == library) & (curves["round"].between(1, rounds))]
+def side_summary(curves: pd.DataFrame, library: str, rounds: int, first: int = 1) -> SideSummary | None:
+    """One library's summary over its seeds, counting only seeds evaluated at every round first..rounds."""
+    side = curves[(curves["library"] == library) & (curves["round"].between(first, rounds))]
     per_seed = [seed_summary(group.set_index("round")["accuracy"]) for _, group in side.groupby("seed")
-                if group["round"].nunique() == rounds]
+                if group["round"].nunique() == rounds - first + 1]
     if not per_seed:
         return None
     best, last10, at = zip(*per_seed)
     return SideSummary(len(per_seed), sum(best) / len(best), sum(last10) / len(last10), sum(at) / len(at),
-                       max(last10) - min(last10), rounds)
+                       max(last10) - min(last10), rounds, first)
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,19 @@ class Row:
         return abs(self.difference("last10")) <= max(self.pfedkit.spread, self.other.spread)
 
 
-def compare(method: str, curves: pd.DataFrame, rounds: int) -> Row:
+def compare(method: str, curves: pd.DataFrame, rounds: int, first: int = 1) -> Row:
+    """Both sides over rounds first..rounds (first > 1 where a side never evaluates the early rounds:
+    FL-bench's test path starts after one aggregation, its CCVR curve at round 2)."""
     other = other_library(curves)
-    return Row(method, side_summary(curves, "pfedkit", rounds), side_summary(curves, other, rounds), other)
+    return Row(method, side_summary(curves, "pfedkit", rounds, first), side_summary(curves, other, rounds, first),
+               other)
+
+
+def first_common_round(curves: pd.DataFrame) -> int:
+    """The first round (>= 1) from which every library in the file has a point: where one side's
+    curve starts later, the row compares both from there."""
+    evaluated = curves[curves["round"] >= 1].groupby("library")["round"].min()
+    return int(evaluated.max()) if len(evaluated) else 1
 
 
 def paired_last10(curves: pd.DataFrame, rounds: int) -> dict[int, float]:
@@ -115,7 +126,8 @@ def markdown_row(row: Row, verdict: str) -> str:
     differences = (f"{row.difference('best'):+.2f} / {row.difference('last10'):+.2f} / "
                    f"{row.difference('round_of_best'):+.0f}")
     spread = f"{kit.spread:.2f} / {lib.spread:.2f}"
-    return f"| {row.method} | {kit.rounds} | {kit.seeds} + {lib.seeds} | {sides[0]} | {sides[1]} | {differences} | {spread} | {verdict} |"
+    rounds = f"{kit.rounds}" if kit.first == 1 else f"{kit.rounds} (rounds {kit.first}-{kit.rounds} compared)"
+    return f"| {row.method} | {rounds} | {kit.seeds} + {lib.seeds} | {sides[0]} | {sides[1]} | {differences} | {spread} | {verdict} |"
 
 
 def table_header(other: str = "PFLlib") -> str:

@@ -199,10 +199,11 @@ FLBENCH_METHODS = {m.label: m for m in (
                               "FL-bench mixes p_kNN with the raw logits, weight * p_kNN + (1 - weight) * z "
                               "(src/client/knnper.py:73-76), as the authors' code; the paper mixes probabilities: "
                               "pfedkit's interpolate=logits reproduces FL-bench (its default is the paper's)",
-                              "datastore model: FL-bench embeds the training rows with the very model it evaluates, "
-                              "rebuilt at each evaluation (src/client/knnper.py:46-50, 68-71), as the paper; pfedkit "
-                              "embeds them with the model downloaded in the client's latest round, so its keys are "
-                              "one aggregation older than its queries (docs/algorithms/knnper.md, [ours], no option)",
+                              "datastore model: both embed the training rows with the very model they evaluate, "
+                              "rebuilt at each evaluation (src/client/knnper.py:46-50, 68-71; pfedkit's "
+                              "evaluation_state), as the paper. Until 2026-11-29 pfedkit embedded them with the "
+                              "model downloaded in the client's latest round, one aggregation older than its "
+                              "queries: rounds 1-4 were 30 to 2 points below FL-bench's",
                               "capacity 500 is compared with the number of batches, len(features) "
                               "(src/client/knnper.py:121,124): 5 batches here, so all 480 rows are stored, as pfedkit",
                               "kernel: both exp(-||phi(x) - phi(x_j)||^2 / (d sigma)), d = 512, squared L2 "

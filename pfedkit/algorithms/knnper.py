@@ -2,25 +2,22 @@
 Memorization*, ICML 2022): a FedAvg global model, interpolated at inference with a k-nearest-
 neighbour model over a local datastore of (embedding, label) pairs from the client's training data.
 
-Training is FedAvg (`MeanOfUploads`). Each participant also keeps a datastore: the embeddings
-phi(x_j) of its training samples (the body's output) and their labels y_j. A client predicts
+Training is FedAvg (`MeanOfUploads`). At each evaluation every client builds its datastore: the
+embeddings phi(x_j) of its training samples (the body's output) under the model it is evaluated
+with, and their labels y_j (`evaluation_state`, on the client's side). A client predicts
 
     p(y | x) = lam * p_kNN(y | x) + (1 - lam) * softmax(h(phi(x)))_y                      (1)
     p_kNN(y | x) = sum_{j in N_k(x)} w_j 1[y_j = y] / sum_{j in N_k(x)} w_j,
     w_j = exp(-||phi(x) - phi(x_j)||^2 / (d * sigma))                                       (2)
 
 with N_k(x) the k stored embeddings nearest to phi(x) (squared Euclidean distance, d the
-embedding size, sigma `scale`), phi and h the global model's body and head.
+embedding size, sigma `scale`), phi and h the evaluated model's body and head: the global model
+(or a newcomer's fine-tuned copy of it). The datastore and the queries come from the same model,
+as in the paper and both implementations. `lam = 0` is the global model's prediction exactly
+(`interpolate="probabilities"`: log-softmax of its logits).
 
-Which embedding function fills the datastore [ours, the contract's limit]: the paper builds it
-with the same global model that predicts. pfedkit's `predict` sees the test embeddings but not the
-client's training data, so the datastore is built on the client during its round, with the global
-model it downloaded (and its BatchNorm statistics after the round's training, the ones evaluation
-uses), and queried with the current global model: one aggregation apart. `lam = 0` is the global
-model's prediction exactly (`interpolate="probabilities"`: log-softmax of its logits).
-
-Client state: its datastore (n_i x d floats and n_i labels; nothing before its first round).
-Evaluated model: the global model, predicting with (1). Communication: FedAvg's.
+Client state: none (the datastore lives for one evaluation). Evaluated model: the global model,
+predicting with (1). Communication: FedAvg's.
 """
 from __future__ import annotations
 
@@ -90,26 +87,28 @@ class KNNPer(MeanOfUploads, Algorithm):
     def init_server(self, params: Params) -> dict[str, Any]:
         return {"params": clone(params)}
 
-    def init_client(self, cid: int, params: Params) -> dict[str, Any]:
-        return {"keys": None, "labels": None}  # an empty datastore until the client's first round
-
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
         return {cid: {"params": server["params"]} for cid in cids}
 
-    def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
+    def client_update(self, rnd: int, cid: int, client: None, message: Message, data: ClientData) -> ClientUpdate:
         trained = yield Fit(message["params"])
-        # After the Fit: data.buffers are the statistics evaluation uses (BatchNorm models)
-        keys = self.setup.ops_for(cid).features(message["params"], data.x_train, data.buffers, chunk=1000)
-        return {"keys": keys, "labels": data.y_train.clone()}, {"params": trained, "weight": data.n_train}
+        return client, {"params": trained, "weight": data.n_train}
 
-    def client_model(self, cid: int, server: dict, client: dict) -> Params:
+    def client_model(self, cid: int, server: dict, client: None) -> Params:
         return server["params"]
 
+    def evaluation_state(self, cid: int, server: dict, client: None, params: Params,
+                         data: ClientData) -> dict[str, Any]:
+        """The datastore: the training set embedded by the evaluated model `params` (with the
+        BatchNorm statistics it is evaluated with), its labels, and the model whose head predicts."""
+        keys = self.setup.ops_for(cid).features(params, data.x_train, data.buffers, chunk=1000)
+        return {"params": params, "keys": keys, "labels": data.y_train}
+
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
-        """Eq. (1) on the global model's embeddings; a client without a datastore (a newcomer, or
-        one that never trained) predicts with the global model alone (lam = 0)."""
-        model_logits = self.setup.ops_for(cid).head_logits(server["params"], features)
-        if client["keys"] is None:
+        """Eq. (1) on the evaluated model's embeddings; an empty datastore (a client without
+        training data) predicts with the model alone (lam = 0)."""
+        model_logits = self.setup.ops_for(cid).head_logits(client["params"], features)
+        if client["keys"].shape[0] == 0:
             return interpolated_logits(model_logits, model_logits, 0.0, self.hyper.interpolate)
         knn = knn_distribution(features, client["keys"], client["labels"], k=self.hyper.k, scale=self.hyper.scale,
                                num_classes=model_logits.shape[1])

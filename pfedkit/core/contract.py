@@ -351,6 +351,15 @@ class Algorithm:
     def has_input_predict(self) -> bool:
         return type(self).predict_inputs is not Algorithm.predict_inputs
 
+    def evaluation_state(self, cid: int, server: Any, client: Any, params: Params, data: ClientData) -> Any:
+        """The state client `cid` predicts with at this evaluation (the `client` that `predict` and
+        `predict_inputs` then read), computed on its side from its data and `params`, the model the
+        evaluation measures (after `adapt`, or a newcomer's fine-tuning); `data.buffers` are the
+        BatchNorm statistics it is measured with. kNN-Per's datastore: the training set embedded by
+        the very model that predicts. Nothing is kept: the next evaluation starts again from the
+        stored state. Default: `client` itself."""
+        return client
+
     def trained_model(self, cid: int, client: Any, params: Params) -> Params:
         """What a participant predicts with right after its local training (config
         `eval_point=after_local_training`): `client` is its new state, `params` the answer to its

@@ -114,11 +114,21 @@ class LocalClients:
                   for cid, client in clients.items()}
         if algo.has_adaptation():
             models.update(self._adapted(rnd, state.server, clients, models))
-        items = [(cid, params, buffers, self._prediction(cid, state.server, clients[cid], buffers))
+        predicting = self._evaluation_states(state.server, clients, models)
+        items = [(cid, params, buffers, self._prediction(cid, state.server, predicting[cid], buffers))
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         norms = {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
         return evals, norms
+
+    def _evaluation_states(self, server: Any, clients: dict[int, Any], models: dict[int, tuple]) -> dict[int, Any]:
+        """The state each client predicts with (`Algorithm.evaluation_state`), given the model and
+        BatchNorm statistics it is measured with; thrown away after the evaluation."""
+        states = {}
+        for cid, (params, buffers) in models.items():
+            data = dataclasses.replace(self.clients[cid], buffers_source=lambda buffers=buffers: buffers)
+            states[cid] = self.algorithm.evaluation_state(cid, server, clients[cid], params, data)
+        return states
 
     def _prediction(self, cid: int, server: Any, client: Any, buffers: Any) -> Callable | None:
         """How client `cid` predicts (the `predict` of its `EvalItem`): from the inputs
@@ -169,7 +179,8 @@ class LocalClients:
             jobs = [FitJob(rnd, cid, 0, Fit(params, epochs=finetune_epochs), buffers, None, purpose=NEW_CLIENT_PURPOSE)
                     for cid, (params, buffers) in models.items()]
             models = {cid: (outcome.params, outcome.buffers) for cid, outcome in self.runtime.fit_many(jobs).items()}
-        items = [(cid, params, buffers, self._prediction(cid, server, fresh[cid], buffers))
+        predicting = self._evaluation_states(server, fresh, models)
+        items = [(cid, params, buffers, self._prediction(cid, server, predicting[cid], buffers))
                  for cid, (params, buffers) in models.items()]
         evals = self.runtime.evaluate_many(items)
         return evals, {cid: classifier_row_norms(models[cid][0], self.num_classes) for cid in cids}
