@@ -198,6 +198,40 @@ def test_a_knnper_newcomer_predicts_with_a_datastore_of_its_finetuned_model(tmp_
     assert row["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, data.y_test)), rel=1e-5)
 
 
+@pytest.mark.parametrize(("algorithm", "options"), [("gpfl", {}), ("fedcp", {}),
+                                                   ("pfedcs", {"pfedcs": {"logit_normalisation": "l2"}})])
+def test_a_newcomer_whose_prediction_reads_its_head_from_the_state_predicts_with_its_finetuned_head(
+        algorithm, options, tmp_path):
+    """GPFL's valve, FedCP's policy and pFedCS's normalisation read `client["head"]`: a newcomer's
+    is the head its fine-tuning trained (`evaluation_state`), not the initial one it received."""
+    from pfedkit.core.params import select
+
+    config = load_config(base(tmp_path, algorithm=algorithm, new_clients=1, new_client_finetune=1, rounds=1,
+                              **options))
+    context = prepare(config, state_dir=tmp_path / "states")
+    sim, state = context.simulation, context.state
+    sim.run_round(state)
+    (cid,) = sim.new_clients
+    algo, data = sim.algorithm, context.data.clients[cid]
+    fresh = algo.joining_state(cid, state.server, state.clients[cid], data)
+    received = algo.joining_model(cid, state.server, fresh, data)
+    trainer = LocalTrainer(algo.setup.ops.build, train_settings(config))
+    outcome = trainer.fit(FitJob(1, cid, 0, Fit(received, epochs=1), state.buffers[cid], None,
+                                 purpose=NEW_CLIENT_PURPOSE), data.x_train, data.y_train)
+    row = pd.DataFrame(state.rows).query("client == @cid").iloc[0]
+
+    def measured(head) -> tuple[int, float]:
+        with torch.no_grad():
+            features = algo.setup.ops.features(outcome.params, data.x_test, outcome.buffers)
+            logits = algo.predict(cid, state.server, {**fresh, "head": head}, features)
+        loss = float(torch.nn.functional.cross_entropy(logits, data.y_test))
+        return int((logits.argmax(dim=1) == data.y_test).sum()), loss
+
+    finetuned, initial = measured(select(outcome.params, "head")), measured(fresh["head"])
+    assert row["correct"] == finetuned[0] and row["loss"] == pytest.approx(finetuned[1], rel=1e-5)
+    assert initial[1] != pytest.approx(finetuned[1], rel=1e-3)  # the test can tell them apart
+
+
 def test_no_new_clients_keeps_the_metrics_columns_and_the_sampling(tmp_path):
     """new_clients=0: no `new_client` column (metrics.csv as before this option) and the round's
     participants are exactly `sample_clients` over all N clients, as before."""

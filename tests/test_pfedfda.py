@@ -154,6 +154,20 @@ def test_beta_1_uploads_the_local_estimates_of_the_trained_bodys_features():
     assert torch.equal(state["means"], reply["params"][MEANS]) and torch.equal(state["beta"], torch.ones(2))
 
 
+def test_right_after_training_the_client_predicts_with_its_adaptive_head_not_the_frozen_global_one():
+    """`eval_point=after_local_training`: the trained body with the head of the statistics just
+    fitted (beta 1: the local ones), as `client_model` later gives, not the Fit's frozen head."""
+    algo = algorithm(fixed_beta=1.0)
+    shared = algo.init_server(tiny_params(7))["shared"]
+    request, trained, state, _, _, _ = run_update(algo, shared)
+    right_after = algo.trained_model(0, state, trained)
+    weight, bias = lda_classifier(state["means"], state["covariance"], class_priors(np.array([3, 0, 1]), 1e-4), 1e-4)
+    torch.testing.assert_close(right_after["head.weight"], weight)
+    torch.testing.assert_close(right_after["head.bias"], bias)
+    assert torch.equal(right_after["body.0.weight"], trained["body.0.weight"])
+    assert not torch.allclose(right_after["head.weight"], request.params["head.weight"])
+
+
 def test_the_global_statistics_are_the_n_i_weighted_pool_of_the_uploads():
     algo = algorithm()
     shared = algo.init_server(tiny_params(8))["shared"]

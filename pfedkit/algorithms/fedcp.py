@@ -159,6 +159,11 @@ class FedCP(MeanOfUploads, Algorithm):
         """Global body + own head; `predict` adds the policy and the global head."""
         return merge(select(server["shared"], "body"), client["head"])
 
+    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
+        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
+        fine-tuned head; for everyone else the stored head itself)."""
+        return {**client, "head": select(params, "head")}
+
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """phi_i(h ⊙ s_P) + phi_G(h ⊙ s_G) with the noise-free policy softmax over the pair."""
         shared = server["shared"]

@@ -170,6 +170,11 @@ class GPFL(MeanOfUploads, Algorithm):
         """Global body + own head; `predict` adds the valve between them."""
         return merge(select(server["shared"], "body"), client["head"])
 
+    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
+        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
+        fine-tuned head; for everyone else the stored head itself)."""
+        return {**client, "head": select(params, "head")}
+
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         personal_input = self.inputs(cid, server["shared"], client)["personal"]
         return personal_logits(server["shared"], client["head"], features, personal_input)

@@ -451,13 +451,10 @@ class PFedCS(Algorithm):
     def has_custom_predict(self) -> bool:
         return self.hyper.logit_normalisation != "none"
 
-    def new_client_refusal(self) -> str | None:
-        """The default joining model (global body + the client's initial head) is fine, but the
-        normalised prediction reads the head from the client's state, not the fine-tuned model."""
-        if self.has_custom_predict():
-            return ("its prediction (logit_normalisation=l2) reads the client's stored head, which a newcomer "
-                    "never trained; set pfedcs.logit_normalisation=none")
-        return None
+    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
+        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
+        fine-tuned head; for everyone else the stored head itself)."""
+        return {**client, "head": select(params, "head")}
 
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """The paper's classifier: the client's head, then the normalisation (same argmax as the

@@ -215,6 +215,11 @@ class PFedFDA(MeanOfUploads, Algorithm):
         state = {"body": body, "means": means, "covariance": covariance, "beta": beta}
         return state, {"params": merge(body, {MEANS: means, COVARIANCE: covariance}), "weight": data.n_train}
 
+    def trained_model(self, cid: int, client: dict, params: Params) -> Params:
+        """Right after training (`eval_point=after_local_training`): the trained body with the head
+        of the adaptive statistics just fitted, not the frozen head of the global ones it trained under."""
+        return self.client_model(cid, {}, client)
+
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """Own body + the head of its adaptive statistics; before its first training the global ones."""
         if "body" in client:
