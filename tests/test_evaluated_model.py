@@ -95,6 +95,8 @@ CASES = [pytest.param(name, {}, id=name) for name in algorithm_names()] + [
     pytest.param("cwfedavg", {"cwfedavg": {"mix_on": "client"}}, id="cwfedavg-mix-on-client"),
     pytest.param("fedbn", {"model": "digits_bn"}, id="fedbn-batchnorm"),
     pytest.param("fedem", {"model": "digits_bn"}, id="fedem-batchnorm"),
+    pytest.param("pfedfda", {"pfedfda": {"evaluate_with": "global_body", "fixed_beta": 1.0}},
+                 id="pfedfda-global-body"),
 ]
 
 
@@ -658,8 +660,12 @@ def fedcp(parts: Parts, cid: int) -> Expected:
 def pfedfda(parts: Parts, cid: int) -> Expected:
     """Own trained body + the Bayes rule of the client's adaptive Gaussians (its state: computed on
     the client from its features) with its class priors: W = S~^-1 mu, b = -(mu ⊙ W) 1 / 2 + log pi,
-    S~ = (1 - eps) S + eps tr(S)/d I, pi = (n_c / n + eps) normalised."""
+    S~ = (1 - eps) S + eps tr(S)/d I, pi = (n_c / n + eps) normalised. `evaluate_with=global_body`
+    (the authors'): the averaged body, predicting with the Bayes rule of Gaussians re-fitted on the
+    client's training features under that body (beta fixed at 1: the local estimates)."""
     algorithm, client = parts.algorithm, parts.clients[cid]
+    if algorithm.hyper.evaluate_with == "global_body":
+        return pfedfda_global_body(parts, cid)
     eps, means, covariance = algorithm.hyper.eps, client["means"], client["covariance"]
     dim = covariance.shape[0]
     weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
@@ -670,8 +676,48 @@ def pfedfda(parts: Parts, cid: int) -> Expected:
     return Expected(merge(select(parts.trained(cid, -1), "body"), {weight_name: weight, bias_name: bias}))
 
 
+def bayes_head(parts: Parts, cid: int, means: torch.Tensor, covariance: torch.Tensor) -> Params:
+    eps, dim = parts.algorithm.hyper.eps, covariance.shape[0]
+    weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
+    counts = torch.as_tensor(np.asarray(parts.algorithm.setup.train_counts[cid]), dtype=torch.float32)
+    priors = counts / counts.sum() + eps
+    bias = -0.5 * (means * weight).sum(dim=1) + (priors / priors.sum()).log()
+    weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
+    return {weight_name: weight, bias_name: bias}
+
+
+def pfedfda_global_body(parts: Parts, cid: int) -> Expected:
+    from pfedkit.algorithms.pfedfda import COVARIANCE, MEANS
+
+    assert parts.algorithm.hyper.fixed_beta == 1.0, "this rule computes beta = 1 (the local estimates) only"
+    eps, shared = parts.algorithm.hyper.eps, parts.server["shared"]
+    body = select(weighted_mean([model_only(parts.trained(j, -1)) for j in range(NUM_CLIENTS)], parts.sizes), "body")
+    data, buffers = parts.rec.runtime.data.clients[cid], parts.rec.evaluated[ROUNDS, cid][1]
+    features = parts.algorithm.setup.ops.features(body, data.x_train, buffers).reshape(data.n_train, -1)
+    labels = data.y_train.long()
+    counts = torch.bincount(labels, minlength=shared[MEANS].shape[0])
+    own = counts > parts.algorithm.hyper.cv_folds  # a class's own mean needs more than K samples
+    class_means = torch.stack([features[labels == c].mean(dim=0) if own[c] else shared[MEANS][c]
+                               for c in range(len(counts))])
+    centred = features - class_means[labels]
+    covariance = centred.T @ centred / (len(features) - 1) + eps + torch.eye(features.shape[1])
+    head = bayes_head(parts, cid, class_means, covariance)
+    return Expected(merge(body, bayes_head(parts, cid, shared[MEANS], shared[COVARIANCE])), client={"head": head})
+
+
 def pfedfda_wrong(parts: Parts) -> dict[str, Callable[[int], Expected]]:
-    """The authors evaluate the head with the averaged body: here the client's own body is."""
+    """own_body: the authors evaluate the head with the averaged body, here the client's own body
+    is. global_body: the global Gaussians' head without the re-fit, or the re-fitted head on the
+    client's own trained body."""
+    if parts.algorithm.hyper.evaluate_with == "global_body":
+        def unfitted(cid: int) -> Expected:
+            right = pfedfda(parts, cid)
+            return replace(right, client={"head": select(right.params, "head")})
+
+        def own_body(cid: int) -> Expected:
+            right = pfedfda(parts, cid)
+            return replace(right, params=merge(select(parts.trained(cid, -1), "body"), select(right.params, "head")))
+        return {"the global Gaussians' head, not re-fitted": unfitted, "the client's own trained body": own_body}
     return {"the averaged body": lambda cid: Expected(merge(averaged(parts, "body"), select(pfedfda(parts, cid).params, "head")))}
 
 

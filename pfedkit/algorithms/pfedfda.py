@@ -25,6 +25,8 @@ the global statistics are the n_i-weighted pool of the adaptive ones.
 
 Evaluated: the client's body as it trained it with the head (1) of its adaptive statistics (3) and
 its priors; a client that never trained: the global body and the global Gaussian classifier.
+`evaluate_with=global_body` (the authors' evaluation): the global body with the head of statistics
+and beta re-fitted under it on the client's training features at every evaluation.
 Communication: body + C d + d^2 floats down; the same + n_i up. docs/algorithms/pfedfda.md.
 """
 from __future__ import annotations
@@ -163,6 +165,10 @@ class PFedFDA(MeanOfUploads, Algorithm):
                                             "(the authors' default), or a single one for both")
         fixed_beta: float | None = Field(None, ge=0, le=1, description="use this beta instead of estimating it "
                                          "(0: the global Gaussians, 1: the local estimates)")
+        evaluate_with: Literal["own_body", "global_body"] = Field(
+            "own_body", description="own_body: the client's trained body with the head of the statistics it "
+            "fitted in its round; global_body (the authors' evaluation): the global body, its statistics and "
+            "beta re-fitted on the client's training features under that body at every evaluation")
 
     def check(self) -> None:
         check_linear_head(self.setup, self.name, needs_bias=True)
@@ -192,37 +198,61 @@ class PFedFDA(MeanOfUploads, Algorithm):
     def broadcast(self, rnd: int, server: dict, cids: list[int]) -> dict[int, Message]:
         return {cid: {"params": server["shared"]} for cid in cids}
 
-    def beta(self, rnd: int, cid: int, features: torch.Tensor, labels: torch.Tensor,
-             global_: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def beta(self, cid: int, features: torch.Tensor, labels: torch.Tensor,
+             global_: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
         if self.hyper.fixed_beta is not None:
             return torch.full((2,), float(self.hyper.fixed_beta))
         priors = class_priors(self.setup.train_counts[cid], self.hyper.eps)
         return estimate_beta(features, labels, global_, priors, folds=self.hyper.cv_folds, eps=self.hyper.eps,
-                             single=self.hyper.beta == "one",
-                             generator=torch_generator(self.setup.seed, rnd, cid, "pfedfda-folds"))
+                             single=self.hyper.beta == "one", generator=generator)
+
+    def adapted_statistics(self, cid: int, body: Params, data: ClientData, global_: tuple[torch.Tensor, torch.Tensor],
+                           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps (b)-(d): (mu_i, Sigma_i, beta) of eq. (3) from the training features under `body`."""
+        features = self.setup.ops_for(cid).features(body, data.x_train, data.buffers, chunk=FEATURE_CHUNK)
+        features = features.reshape(data.n_train, -1)
+        labels = data.y_train.long()
+        local = gaussian_estimates(features, labels, global_[0], self.hyper.cv_folds, self.hyper.eps)
+        beta = self.beta(cid, features, labels, global_, generator)
+        return (*interpolated(beta, local, global_), beta)
 
     def client_update(self, rnd: int, cid: int, client: dict, message: Message, data: ClientData) -> ClientUpdate:
         shared = message["params"]
         global_ = (shared[MEANS], shared[COVARIANCE])
         trained = yield Fit(merge(select(shared, "body"), self.lda_head(*global_, cid)), trainable="body")
         body = select(trained, "body")
-        features = self.setup.ops_for(cid).features(body, data.x_train, data.buffers, chunk=FEATURE_CHUNK)
-        features = features.reshape(data.n_train, -1)
-        labels = data.y_train.long()
-        local = gaussian_estimates(features, labels, global_[0], self.hyper.cv_folds, self.hyper.eps)
-        beta = self.beta(rnd, cid, features, labels, global_)
-        means, covariance = interpolated(beta, local, global_)
+        folds = torch_generator(self.setup.seed, rnd, cid, "pfedfda-folds")
+        means, covariance, beta = self.adapted_statistics(cid, body, data, global_, folds)
         state = {"body": body, "means": means, "covariance": covariance, "beta": beta}
         return state, {"params": merge(body, {MEANS: means, COVARIANCE: covariance}), "weight": data.n_train}
 
     def trained_model(self, cid: int, client: dict, params: Params) -> Params:
         """Right after training (`eval_point=after_local_training`): the trained body with the head
         of the adaptive statistics just fitted, not the frozen head of the global ones it trained under."""
-        return self.client_model(cid, {}, client)
+        return merge(client["body"], self.lda_head(client["means"], client["covariance"], cid))
 
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
-        """Own body + the head of its adaptive statistics; before its first training the global ones."""
-        if "body" in client:
+        """Own body + the head of its adaptive statistics; before its first training the global ones.
+        `evaluate_with=global_body`: the global body and head (`predict` uses the re-fitted head)."""
+        if "body" in client and self.hyper.evaluate_with == "own_body":
             return merge(client["body"], self.lda_head(client["means"], client["covariance"], cid))
         shared = server["shared"]
         return merge(select(shared, "body"), self.lda_head(shared[MEANS], shared[COVARIANCE], cid))
+
+    def has_custom_predict(self) -> bool:
+        return self.hyper.evaluate_with == "global_body"
+
+    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
+        """`global_body`: the head (1) of the statistics re-fitted under the evaluated body (the
+        authors' evaluation; its folds seeded apart from training's, the same at every evaluation)."""
+        if self.hyper.evaluate_with == "own_body":
+            return client
+        shared = server["shared"]
+        folds = torch_generator(self.setup.seed, 0, cid, "pfedfda-evaluation-folds")
+        means, covariance, _ = self.adapted_statistics(cid, select(params, "body"), data,
+                                                       (shared[MEANS], shared[COVARIANCE]), folds)
+        return {"head": self.lda_head(means, covariance, cid)}
+
+    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """`global_body`: the re-fitted head on the evaluated body's features."""
+        return self.setup.ops_for(cid).head_logits(client["head"], features)
