@@ -131,6 +131,19 @@ def test_weights_are_learned_on_a_fraction_s_of_the_training_set_drawn_each_roun
     assert not torch.equal(later[0][0].samples, subsets[0])  # drawn again in the next round
 
 
+def test_a_subset_smaller_than_one_batch_still_learns_w_under_the_configs_drop_last():
+    """The ALA requests keep the last, incomplete batch (the authors' loader): 3 rows of D_i^s at
+    B = 4 with drop_last on still take a W step, so W leaves 1 (else the client would be FedAvg)."""
+    algo, received, data = algorithm(sample_fraction=0.5, max_warmup_epochs=2), tiny_params(2), client_data(6)
+    trainer = LocalTrainer(TinyNet, TrainSettings(local_epochs=1, batch_size=4, lr=0.1, seed=3, drop_last=True))
+    update = algo.client_update(2, 0, {"local": tiny_params(1), "weights": {}}, {"params": received}, data)
+    request = next(update)
+    assert request.drop_last is False and len(request.samples) == 3
+    answer = trainer.fit(FitJob(2, 0, 0, request, None), data.x_train, data.y_train)
+    assert answer.steps == 1
+    assert any(not torch.equal(answer.params[WEIGHT + name], torch.ones_like(received[name])) for name in TOP)
+
+
 def test_top_layers_are_the_last_p_layers_and_a_newcomer_starts_from_the_global_model():
     params = tiny_params(0)
     assert top_layer_names(params, 1) == TOP

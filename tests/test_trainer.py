@@ -133,6 +133,14 @@ def test_epochs_with_drop_last_skip_the_partial_batch(client_data):
     assert all(len(batch) == BATCH_SIZE for batch in calls.batches)
 
 
+def test_a_request_overrides_the_configs_drop_last_either_way(client_data):
+    keep, drop = LossCalls(), LossCalls()
+    assert fit(make_trainer(drop_last=True), client_data, epochs=1, drop_last=False, loss=keep).steps == BATCHES_PER_EPOCH
+    assert sorted(torch.cat(keep.batches).tolist()) == list(range(NUM_SAMPLES))  # the partial batch included
+    assert fit(make_trainer(), client_data, epochs=1, drop_last=True, loss=drop).steps == NUM_SAMPLES // BATCH_SIZE
+    assert all(len(batch) == BATCH_SIZE for batch in drop.batches)
+
+
 @pytest.mark.parametrize("steps", [1, 4, 7, 12])
 def test_steps_runs_exactly_that_many_batches(client_data, steps):
     calls = LossCalls()

@@ -220,7 +220,9 @@ METHODS_I_II = (
            departures=("PFLlib's -p 2 counts parameter tensors: the last Linear's weight and bias, pfedkit's "
                        "layers=1; threshold 0.1 and num_pre_loss 10 are ALA's defaults (ALA.py:19-20), not flags",
                        "PFLlib's D_i^s is a contiguous slice of the client's training rows at a random start, in "
-                       "file order, drop_last=False (ALA.py:71-74); pfedkit draws a random subset each round",
+                       "file order (ALA.py:71-74); pfedkit draws a random subset each round; both keep the last, "
+                       "incomplete batch (drop_last=False; pfedkit's ALA requests set Fit.drop_last=False "
+                       "whatever the config's drop_last)",
                        "PFLlib's first ALA has no epoch bound (ALA.py:119-153); pfedkit stops at max_warmup_epochs=100",
                        "PFLlib runs ALA, W's training included (the whole warm-up on its first call), in "
                        "send_models before it evaluates (serverala.py:26-31, 70-74): its curve is the model after "
@@ -314,7 +316,18 @@ METHODS_I_II = (
                                        "fedkd.weighting": "uniform", "fedkd.kl_reduction": "pfllib"},
            {"-mlr": 0.005, "-Ts": 0.95, "-Te": 0.98},
            departures=("PFLlib's mentee lr is -mlr, default 0.005 (main.py:489): both set to it; its energy "
-                       "threshold T_start + (r/R)(T_end - T_start) for round r (serverkd.py:60) is pfedkit's",
+                       "threshold in its round i (0-based) is T_start + (i/R)(T_end - T_start), set at the end of "
+                       "the previous round (serverkd.py:60), so its round r (1-based) uses (r - 1)/R where "
+                       "pfedkit's uses r/R (docs/algorithms/fedkd.md): T one round behind, 0.0012 apart here",
+                       "PFLlib compresses the mentee's parameters themselves, not their update, and its truncation "
+                       "loop (clientkd.py:163-166, serverkd.py:147-150) never tests the full rank: a matrix that "
+                       "needs all its singular values to reach T is rebuilt from none, i.e. as zeros. The initial "
+                       "10 x 512 head has 91.7 % of its energy in its top 9 of 10 singular values (< T = 0.95; "
+                       "checked with PyTorch's default Linear init), so PFLlib's mentee head weight is zeroed at "
+                       "least in round 1, its mentee then predicts from its bias and the adaptive weight "
+                       "1/(CE + CE_g) shrinks the distillation: PFLlib's mentor is expected to be near Local. "
+                       "pfedkit compresses the update and keeps the fewest singular values reaching T "
+                       "(never none)",
                        "PFLlib's server mean is 1/m (serverkd.py:124-126): weighting=uniform; its KL is "
                        "KLDivLoss(), the mean over B x C entries (clientkd.py:31): kl_reduction=pfllib",
                        "PFLlib divides each distillation and hidden loss by CE + CE_g inside autograd, so the "
@@ -323,8 +336,6 @@ METHODS_I_II = (
                        "PFLlib's mentee hidden loss is the mentor's, MSE(rep, W_h(rep_g)) (clientkd.py:68-69), and "
                        "it clips the mentor, mentee and W_h at norm 10 (clientkd.py:80-82); pfedkit's FedKD step "
                        "does not clip",
-                       "PFLlib decays the mentee's and W_h's learning rates with ExponentialLR "
-                       "(clientkd.py:18-26); pfedkit keeps them constant",
                        "PFLlib's W_h is nn.Linear(d, d, bias=False) with PyTorch's default initialisation "
                        "(clientkd.py:24); pfedkit's starts as the identity (docs/algorithms/fedkd.md, [ours]): "
                        "the hidden loss starts at 0 in pfedkit, not in PFLlib")),
@@ -348,6 +359,10 @@ METHODS_I_II = (
                        "for the global table, across the clients (serverpcl.py:120-135); CrossEntropyLoss then "
                        "reads column y as class y (clientpcl.py:59-65). Unless that order is 0..C-1, the contrastive "
                        "targets are other classes' prototypes. pfedkit's tables are indexed by class (the paper's)",
+                       "PFLlib's local prototypes are the class means over one pass of its shuffled drop_last "
+                       "training loader (clientpcl.py:95-116, clientbase.py:59): 400 of 480 rows a round on "
+                       "mnist_fedrema, and a rare class can be missed (then padded with the global prototype); "
+                       "pfedkit's are the means over every training row",
                        "PFLlib's padding writes global prototypes into the client's own table, the same dict "
                        "(serverpcl.py:84, 109-116), so its evaluation also scores the classes the client lacks; it "
                        "predicts by the largest dot product <r, C> (clientpcl.py:138-142), with prototypes that are "

@@ -132,7 +132,7 @@ class APPLE(Algorithm):
         """APPLE hyperparameters (docs/algorithms/apple.md).
 
         dr_lr: eta_p, step size of the DR vector, 0.001 [code: authors' lr_coef].
-        mu: coefficient of the proximal term (mu / 2) ||p - p_0||^2, 0.1 [code: authors].
+        mu: coefficient of the proximal term mu ||p - p_0||^2, 0.1 [code: authors].
         scheduler: lambda(r)'s shape, "exponential" [code: authors' default] or "cosine" [code: PFLlib; authors' option].
         decay_fraction: L, the share of the rounds over which lambda decays to 0, 0.1 [code: authors]
             (PFLlib: 1.0).
@@ -145,7 +145,7 @@ class APPLE(Algorithm):
         """
         dr_lr: float = Field(0.001, ge=0, description="eta_p: step size of the DR vector p_i",
                              json_schema_extra=float_range(1e-4, 1e-1, log=True))
-        mu: float = Field(0.1, ge=0, description="proximal coefficient of (mu/2)||p_i - p_0||^2",
+        mu: float = Field(0.1, ge=0, description="proximal coefficient of mu ||p_i - p_0||^2",
                           json_schema_extra=float_range(0.01, 1.0, log=True))
         scheduler: Literal["exponential", "cosine"] = Field("exponential", description="shape of lambda(r)")
         decay_fraction: float = Field(0.1, ge=0, le=1, description="L: lambda decays to 0 over the first L*T rounds")

@@ -168,7 +168,7 @@ class FedALA(MeanOfUploads, Algorithm):
         first_ala = not client["weights"]  # W is created at the first ALA and kept afterwards
         losses: list[float] = []
         while True:
-            answer = yield Fit(start, step=ala_step, lr=hyper.eta, epochs=1, samples=subset,
+            answer = yield Fit(start, step=ala_step, lr=hyper.eta, epochs=1, samples=subset, drop_last=False,
                                extra={**carried, **{WEIGHT + n: w for n, w in weights.items()}})
             start = {name: answer[name] for name in received}
             weights = {name: answer[WEIGHT + name] for name in top}

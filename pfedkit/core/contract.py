@@ -88,6 +88,8 @@ class Fit:
     samples: positions in the client's training set to train on (FedFomo keeps a validation
     split out of training); None: all of them. Epochs and batches are over these samples, and
     `Forward.index` / `Batch.index` still give positions in the whole training set.
+    drop_last: whether each epoch's last, incomplete mini-batch is dropped; None: the config's
+    `drop_last` (FedALA's weight learning keeps it, as its authors' loader does).
     step: a custom local step (`LocalStep`) replacing plain SGD on the loss: Per-FedAvg's meta step,
     pFedMe's inner solve, APFL's three updates. It is called with `batches_per_step` consecutive
     mini-batches of the request's batch schedule (an incomplete last group is dropped). Custom
@@ -104,6 +106,7 @@ class Fit:
     optimizer: str = "default"
     extra: Params = field(default_factory=dict)
     samples: torch.Tensor | None = None
+    drop_last: bool | None = None
     step: LocalStep | None = None
     batches_per_step: int = 1
 

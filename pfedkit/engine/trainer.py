@@ -100,9 +100,10 @@ def batch_schedule(request: Fit, settings: TrainSettings, n: int, generator: tor
     steps = request.steps if request.epochs is not None or request.steps is not None else settings.local_steps
     epochs = settings.local_epochs if request.epochs is None else request.epochs
     batches: list[torch.Tensor] = []
+    drop_last = settings.drop_last if request.drop_last is None else request.drop_last
     epoch = 0
     while steps is not None or epoch < epochs:
-        order = batch_order(n, settings.batch_size, settings.drop_last, generator)
+        order = batch_order(n, settings.batch_size, drop_last, generator)
         if not order:
             break  # fewer samples than one batch with drop_last: nothing to train on
         for batch in order:
