@@ -666,17 +666,12 @@ def pfedfda(parts: Parts, cid: int) -> Expected:
     algorithm, client = parts.algorithm, parts.clients[cid]
     if algorithm.hyper.evaluate_with == "global_body":
         return pfedfda_global_body(parts, cid)
-    eps, means, covariance = algorithm.hyper.eps, client["means"], client["covariance"]
-    dim = covariance.shape[0]
-    weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
-    counts = torch.as_tensor(np.asarray(algorithm.setup.train_counts[cid]), dtype=torch.float32)
-    priors = counts / counts.sum() + eps
-    bias = -0.5 * (means * weight).sum(dim=1) + (priors / priors.sum()).log()
-    weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
-    return Expected(merge(select(parts.trained(cid, -1), "body"), {weight_name: weight, bias_name: bias}))
+    head = bayes_head(parts, cid, client["means"], client["covariance"])
+    return Expected(merge(select(parts.trained(cid, -1), "body"), head))
 
 
 def bayes_head(parts: Parts, cid: int, means: torch.Tensor, covariance: torch.Tensor) -> Params:
+    """The head W = S~^-1 mu, b = -(mu ⊙ W) 1 / 2 + log pi of the docstring above, client cid's priors."""
     eps, dim = parts.algorithm.hyper.eps, covariance.shape[0]
     weight = torch.linalg.solve((1 - eps) * covariance + eps * torch.trace(covariance) / dim * torch.eye(dim), means.T).T
     counts = torch.as_tensor(np.asarray(parts.algorithm.setup.train_counts[cid]), dtype=torch.float32)
@@ -691,7 +686,7 @@ def pfedfda_global_body(parts: Parts, cid: int) -> Expected:
 
     assert parts.algorithm.hyper.fixed_beta == 1.0, "this rule computes beta = 1 (the local estimates) only"
     eps, shared = parts.algorithm.hyper.eps, parts.server["shared"]
-    body = select(weighted_mean([model_only(parts.trained(j, -1)) for j in range(NUM_CLIENTS)], parts.sizes), "body")
+    body = averaged(parts, "body")
     data, buffers = parts.rec.runtime.data.clients[cid], parts.rec.evaluated[ROUNDS, cid][1]
     features = parts.algorithm.setup.ops.features(body, data.x_train, buffers).reshape(data.n_train, -1)
     labels = data.y_train.long()
