@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from pfedkit.algorithms.evaluated_head import HeadFromEvaluatedModel
 from pfedkit.algorithms.extra_layers import (check_linear_head, head_linear, layer_norm, layer_norm_init, linear,
                                              linear_init, with_prefix)
 from pfedkit.algorithms.registry import register
@@ -106,7 +107,7 @@ def fedcp_loss(out: Forward, y: torch.Tensor, params: Params, context: Mapping[s
 
 
 @register
-class FedCP(MeanOfUploads, Algorithm):
+class FedCP(HeadFromEvaluatedModel, MeanOfUploads, Algorithm):
     """The server averages body + CPN + global-head uploads (`MeanOfUploads`, key "shared")."""
     name = "fedcp"
     description = "FedCP: a policy network splits each sample's features between a global and a personalised head"
@@ -158,11 +159,6 @@ class FedCP(MeanOfUploads, Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """Global body + own head; `predict` adds the policy and the global head."""
         return merge(select(server["shared"], "body"), client["head"])
-
-    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
-        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
-        fine-tuned head; for everyone else the stored head itself)."""
-        return {**client, "head": select(params, "head")}
 
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """phi_i(h ⊙ s_P) + phi_G(h ⊙ s_G) with the noise-free policy softmax over the pair."""

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from pfedkit.algorithms.evaluated_head import HeadFromEvaluatedModel
 from pfedkit.algorithms.extra_layers import (check_linear_head, head_linear, layer_norm, layer_norm_init, linear,
                                              linear_init, with_prefix)
 from pfedkit.algorithms.registry import register
@@ -113,7 +114,7 @@ def personal_logits(shared: Params, head: Params, features: torch.Tensor, person
 
 
 @register
-class GPFL(MeanOfUploads, Algorithm):
+class GPFL(HeadFromEvaluatedModel, MeanOfUploads, Algorithm):
     """The server averages body + CoV + GCE (`MeanOfUploads`, key "shared")."""
     name = "gpfl"
     description = "GPFL: conditional valve splits features into a GCE-guided global route and a personalised route"
@@ -169,11 +170,6 @@ class GPFL(MeanOfUploads, Algorithm):
     def client_model(self, cid: int, server: dict, client: dict) -> Params:
         """Global body + own head; `predict` adds the valve between them."""
         return merge(select(server["shared"], "body"), client["head"])
-
-    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
-        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
-        fine-tuned head; for everyone else the stored head itself)."""
-        return {**client, "head": select(params, "head")}
 
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         personal_input = self.inputs(cid, server["shared"], client)["personal"]

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, PositiveFloat, PositiveInt
 
+from pfedkit.algorithms.evaluated_head import HeadFromEvaluatedModel
 from pfedkit.algorithms.registry import register
 from pfedkit.core.contract import Algorithm, ClientData, ClientUpdate, Fit, Forward, HyperParams, Message
 from pfedkit.core.errors import ConfigError
@@ -309,7 +310,7 @@ def frozen_teacher_outputs(ops: Any, teacher: Params, x: torch.Tensor, buffers: 
 # ---------------------------------------------------------------------------------------------
 
 @register
-class PFedCS(Algorithm):
+class PFedCS(HeadFromEvaluatedModel, Algorithm):
     name = "pfedcs"
     description = "PFedCS: GMM-chosen similar classifiers -> customised teacher head, then FedPer"
     evaluated_model = "custom"  # global body + own head, with normalised logits
@@ -450,11 +451,6 @@ class PFedCS(Algorithm):
 
     def has_custom_predict(self) -> bool:
         return self.hyper.logit_normalisation != "none"
-
-    def evaluation_state(self, cid: int, server: dict, client: dict, params: Params, data: ClientData) -> dict:
-        """`predict` reads the head from the state: the evaluated model's own (a newcomer's
-        fine-tuned head; for everyone else the stored head itself)."""
-        return {**client, "head": select(params, "head")}
 
     def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
         """The paper's classifier: the client's head, then the normalisation (same argmax as the
