@@ -456,14 +456,14 @@ def fedpac(parts: Parts, cid: int) -> Expected:
 
 def fednh(parts: Parts, cid: int) -> Expected:
     """evaluate=global: the plain mean of the trained bodies + the server's prototypes mu as head
-    weight (zero bias), scored by the server's mu and s."""
+    weight (zero bias), scored by the server's mu and s (`evaluation_state`)."""
     server = parts.server
     body = weighted_mean([select(parts.trained(j, -1), "body") for j in range(NUM_CLIENTS)], [1.0] * NUM_CLIENTS)
     weight_name, bias_name = linear_layer_names(select(parts.initial, "head"), "head")
     head = {weight_name: server["prototypes"]}
     if bias_name is not None:
         head[bias_name] = torch.zeros(server["prototypes"].shape[0])
-    return Expected(merge(body, head), server=server, client=None)
+    return Expected(merge(body, head), server=server, client={"prototypes": server["prototypes"], "scale": server["scale"]})
 
 
 def fedproto(parts: Parts, cid: int) -> Expected:

@@ -182,9 +182,20 @@ def test_personal_evaluation_uses_the_clients_trained_model_and_scale(config):
         # trained in round 2 from the prototypes the server had after round 1, not the new ones
         assert not torch.equal(client["params"][algo.weight_name], state.server["prototypes"])
         features = torch.randn(3, state.server["prototypes"].shape[1])
-        torch.testing.assert_close(algo.predict(cid, state.server, client, features),
+        predicting = algo.evaluation_state(cid, state.server, client, client["params"], None)
+        torch.testing.assert_close(algo.predict(cid, state.server, predicting, features),
                                    cosine_logits(features, client["params"][algo.weight_name], client["scale"]))
     assert not result.metrics["accuracy"].isna().any()
+
+
+def test_the_global_model_right_after_training_is_the_personal_model(config):
+    """Every client trains every round: at eval_point=after_local_training each is scored with its
+    trained body, the mu it trained with and its trained s, which is PM at the default eval point."""
+    columns = ["round", "client", "accuracy", "loss"]
+    after_training = pfedkit.run({**config, "rounds": 2, "eval_point": "after_local_training"})
+    personal = pfedkit.run({**config, "rounds": 2, "fednh": {"evaluate": "personal"}})
+    assert after_training.metrics["participated"].all()
+    pd.testing.assert_frame_equal(after_training.metrics[columns], personal.metrics[columns])
 
 
 def test_processes_backend_gives_the_sequential_metrics(config):

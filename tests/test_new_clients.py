@@ -232,6 +232,34 @@ def test_a_newcomer_whose_prediction_reads_its_head_from_the_state_predicts_with
     assert initial[1] != pytest.approx(finetuned[1], rel=1e-3)  # the test can tell them apart
 
 
+def test_a_fednh_newcomer_scores_with_the_prototypes_its_finetuning_trained(tmp_path):
+    """FedNH's cosine logits read mu from `evaluation_state`: a newcomer's mu is the head weight
+    its fine-tuning trained, with the server's s, not the server's prototypes."""
+    from pfedkit.algorithms.fednh import cosine_logits
+
+    config = load_config(base(tmp_path, algorithm="fednh", new_clients=1, new_client_finetune=1, rounds=1))
+    context = prepare(config, state_dir=tmp_path / "states")
+    sim, state = context.simulation, context.state
+    sim.run_round(state)
+    (cid,) = sim.new_clients
+    algo, data = sim.algorithm, context.data.clients[cid]
+    received = algo.joining_model(cid, state.server, state.clients[cid], data)
+    trainer = LocalTrainer(algo.setup.ops.build, train_settings(config))
+    outcome = trainer.fit(FitJob(1, cid, 0, Fit(received, epochs=1), state.buffers[cid], None,
+                                 purpose=NEW_CLIENT_PURPOSE), data.x_train, data.y_train)
+    row = pd.DataFrame(state.rows).query("client == @cid").iloc[0]
+
+    def measured(prototypes) -> float:
+        with torch.no_grad():
+            features = algo.setup.ops.features(outcome.params, data.x_test, outcome.buffers)
+            logits = cosine_logits(features, prototypes, state.server["scale"])
+        return float(torch.nn.functional.cross_entropy(logits, data.y_test))
+
+    finetuned, server = measured(outcome.params[algo.weight_name]), measured(state.server["prototypes"])
+    assert row["loss"] == pytest.approx(finetuned, rel=1e-5)
+    assert server != pytest.approx(finetuned, rel=1e-3)  # the test can tell them apart
+
+
 def test_no_new_clients_keeps_the_metrics_columns_and_the_sampling(tmp_path):
     """new_clients=0: no `new_client` column (metrics.csv as before this option) and the round's
     participants are exactly `sample_clients` over all N clients, as before."""

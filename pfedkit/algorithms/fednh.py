@@ -18,7 +18,8 @@ Round t:
 
 Client state: none (`evaluate="global"`), or its model and s after its latest local training
 (`evaluate="personal"`). Evaluated: the global model (GM) or that personal model (PM), predicting
-with the cosine logits. Communication: down body + C*D (+ s); up body (+ s) + (#own classes) * D
+with the cosine logits of the evaluated model's mu (a newcomer's: the head its fine-tuning
+trained). Communication: down body + C*D (+ s); up body (+ s) + (#own classes) * D
 floats + one count per class. Paper-vs-code table: docs/algorithms/fednh.md.
 """
 from __future__ import annotations
@@ -232,9 +233,19 @@ class FedNH(Algorithm):
             return client["params"]
         return self.global_params(server["body"], server["prototypes"])
 
-    def predict(self, cid: int, server: dict, client: Any, features: torch.Tensor) -> torch.Tensor:
-        """The cosine logits with the evaluated model's mu and s (the head output lacks the
-        feature normalisation)."""
-        if self.personal(client):
-            return cosine_logits(features, client["params"][self.weight_name], client["scale"])
-        return cosine_logits(features, server["prototypes"], server["scale"])
+    def evaluation_state(self, cid: int, server: dict, client: Any, params: Params, data: ClientData) -> dict:
+        """The mu and s that score this evaluation, the evaluated model's: mu is its head weight
+        (the server's prototypes for GM, the client's for PM, the mu a participant trained with at
+        `eval_point=after_local_training`, and for a newcomer the head its fine-tuning trained);
+        s is the one it carries (a model right after training with a learned s), else the
+        client's own (PM) or the server's."""
+        if SCALE in params:
+            scale = params[SCALE]
+        else:
+            scale = client["scale"] if self.personal(client) else server["scale"]
+        return {"prototypes": params[self.weight_name], "scale": scale}
+
+    def predict(self, cid: int, server: dict, client: dict, features: torch.Tensor) -> torch.Tensor:
+        """The cosine logits with the evaluated model's mu and s (`evaluation_state`; the head
+        output lacks the feature normalisation)."""
+        return cosine_logits(features, client["prototypes"], client["scale"])
