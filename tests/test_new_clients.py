@@ -4,6 +4,9 @@ round each receives `Algorithm.joining_model`, trains `new_client_finetune` epoc
 training split and is evaluated on its test split."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -198,14 +201,22 @@ def test_a_knnper_newcomer_predicts_with_a_datastore_of_its_finetuned_model(tmp_
     assert row["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, data.y_test)), rel=1e-5)
 
 
-@pytest.mark.parametrize(("algorithm", "options"), [("gpfl", {}), ("fedcp", {}),
-                                                   ("pfedcs", {"pfedcs": {"logit_normalisation": "l2"}})])
-def test_a_newcomer_whose_prediction_reads_its_head_from_the_state_predicts_with_its_finetuned_head(
-        algorithm, options, tmp_path):
-    """GPFL's valve, FedCP's policy and pFedCS's normalisation read `client["head"]`: a newcomer's
-    is the head its fine-tuning trained (`evaluation_state`), not the initial one it received."""
-    from pfedkit.core.params import select
+@dataclasses.dataclass
+class FinetunedNewcomer:
+    """One round run with one newcomer, and our own copy of its fine-tuning."""
+    state: Any
+    cid: int
+    fresh: Any  # its state when it joins (`joining_state`)
+    data: Any
+    outcome: Any  # its fine-tuned model and BatchNorm statistics
+    row: pd.Series  # its metrics row
 
+    def features(self, algo) -> torch.Tensor:
+        with torch.no_grad():
+            return algo.setup.ops.features(self.outcome.params, self.data.x_test, self.outcome.buffers)
+
+
+def finetuned_newcomer(tmp_path, algorithm: str, **options) -> tuple[Any, FinetunedNewcomer]:
     config = load_config(base(tmp_path, algorithm=algorithm, new_clients=1, new_client_finetune=1, rounds=1,
                               **options))
     context = prepare(config, state_dir=tmp_path / "states")
@@ -219,16 +230,27 @@ def test_a_newcomer_whose_prediction_reads_its_head_from_the_state_predicts_with
     outcome = trainer.fit(FitJob(1, cid, 0, Fit(received, epochs=1), state.buffers[cid], None,
                                  purpose=NEW_CLIENT_PURPOSE), data.x_train, data.y_train)
     row = pd.DataFrame(state.rows).query("client == @cid").iloc[0]
+    return algo, FinetunedNewcomer(state, cid, fresh, data, outcome, row)
+
+
+@pytest.mark.parametrize(("algorithm", "options"), [("gpfl", {}), ("fedcp", {}),
+                                                   ("pfedcs", {"pfedcs": {"logit_normalisation": "l2"}})])
+def test_a_newcomer_whose_prediction_reads_its_head_from_the_state_predicts_with_its_finetuned_head(
+        algorithm, options, tmp_path):
+    """GPFL's valve, FedCP's policy and pFedCS's normalisation read `client["head"]`: a newcomer's
+    is the head its fine-tuning trained (`evaluation_state`), not the initial one it received."""
+    from pfedkit.core.params import select
+
+    algo, new = finetuned_newcomer(tmp_path, algorithm, **options)
 
     def measured(head) -> tuple[int, float]:
         with torch.no_grad():
-            features = algo.setup.ops.features(outcome.params, data.x_test, outcome.buffers)
-            logits = algo.predict(cid, state.server, {**fresh, "head": head}, features)
-        loss = float(torch.nn.functional.cross_entropy(logits, data.y_test))
-        return int((logits.argmax(dim=1) == data.y_test).sum()), loss
+            logits = algo.predict(new.cid, new.state.server, {**new.fresh, "head": head}, new.features(algo))
+        loss = float(torch.nn.functional.cross_entropy(logits, new.data.y_test))
+        return int((logits.argmax(dim=1) == new.data.y_test).sum()), loss
 
-    finetuned, initial = measured(select(outcome.params, "head")), measured(fresh["head"])
-    assert row["correct"] == finetuned[0] and row["loss"] == pytest.approx(finetuned[1], rel=1e-5)
+    finetuned, initial = measured(select(new.outcome.params, "head")), measured(new.fresh["head"])
+    assert new.row["correct"] == finetuned[0] and new.row["loss"] == pytest.approx(finetuned[1], rel=1e-5)
     assert initial[1] != pytest.approx(finetuned[1], rel=1e-3)  # the test can tell them apart
 
 
@@ -237,27 +259,16 @@ def test_a_fednh_newcomer_scores_with_the_prototypes_its_finetuning_trained(tmp_
     its fine-tuning trained, with the server's s, not the server's prototypes."""
     from pfedkit.algorithms.fednh import cosine_logits
 
-    config = load_config(base(tmp_path, algorithm="fednh", new_clients=1, new_client_finetune=1, rounds=1))
-    context = prepare(config, state_dir=tmp_path / "states")
-    sim, state = context.simulation, context.state
-    sim.run_round(state)
-    (cid,) = sim.new_clients
-    algo, data = sim.algorithm, context.data.clients[cid]
-    received = algo.joining_model(cid, state.server, state.clients[cid], data)
-    trainer = LocalTrainer(algo.setup.ops.build, train_settings(config))
-    outcome = trainer.fit(FitJob(1, cid, 0, Fit(received, epochs=1), state.buffers[cid], None,
-                                 purpose=NEW_CLIENT_PURPOSE), data.x_train, data.y_train)
-    row = pd.DataFrame(state.rows).query("client == @cid").iloc[0]
+    algo, new = finetuned_newcomer(tmp_path, "fednh")
+    server = new.state.server
 
     def measured(prototypes) -> float:
-        with torch.no_grad():
-            features = algo.setup.ops.features(outcome.params, data.x_test, outcome.buffers)
-            logits = cosine_logits(features, prototypes, state.server["scale"])
-        return float(torch.nn.functional.cross_entropy(logits, data.y_test))
+        logits = cosine_logits(new.features(algo), prototypes, server["scale"])
+        return float(torch.nn.functional.cross_entropy(logits, new.data.y_test))
 
-    finetuned, server = measured(outcome.params[algo.weight_name]), measured(state.server["prototypes"])
-    assert row["loss"] == pytest.approx(finetuned, rel=1e-5)
-    assert server != pytest.approx(finetuned, rel=1e-3)  # the test can tell them apart
+    finetuned, initial = measured(new.outcome.params[algo.weight_name]), measured(server["prototypes"])
+    assert new.row["loss"] == pytest.approx(finetuned, rel=1e-5)
+    assert initial != pytest.approx(finetuned, rel=1e-3)  # the test can tell them apart
 
 
 def test_no_new_clients_keeps_the_metrics_columns_and_the_sampling(tmp_path):
