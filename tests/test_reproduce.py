@@ -539,3 +539,17 @@ def test_one_seed_shows_our_value_alone_where_the_spread_is_over_seeds():
     assert "| M1 | best_acc | 80.00 | 1 |" in one and "± 0.00" not in one
     two = paper_markdown(plan, paper_table(plan.table, [record("A", "M1", 0, 0.8), record("A", "M1", 1, 0.6)]))
     assert "| M1 | best_acc | 70.00 ± 10.00 | 2 |" in two
+
+
+def test_a_table_quoting_another_paper_is_not_checked_against_this_papers_text():
+    """pFedPM's 1-mnist-fedproto quotes FedProto's paper (`quotes_from`), which is not stored: its
+    quotes are exempt from the text check, the other tables' are not."""
+    paper = load_paper("pfedpm")
+    quoting = paper.table("1-mnist-fedproto")
+    assert quoting.quotes_from and paper.stated(quoting)["batch_size"].value == 8
+    own = paper.table("1-mnist")
+    only = {"tables": [quoting]}
+    assert quotes_not_in_text(paper.model_copy(update=only), "unrelated text") == []
+    assert quotes_not_in_text(paper.model_copy(update={"tables": [own]}), "unrelated text") != []
+    unmarked = quoting.model_copy(update={"quotes_from": None})
+    assert quotes_not_in_text(paper.model_copy(update={"tables": [unmarked]}), "unrelated text") != []

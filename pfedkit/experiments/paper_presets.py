@@ -130,6 +130,9 @@ class Table(BaseModel):
     rows: list[Row]
     budgets: dict[str, Budget] = Field(default_factory=dict, description="override the paper's budgets")
     paper_says: dict[str, PaperSays] = Field(default_factory=dict, description="over the paper's, for this table")
+    quotes_from: str | None = Field(None, description=(
+        "the other paper whose printed rows this table reruns (paper provenance) and whose words its "
+        "paper_says quote; not among ../shared/papers, so those quotes are not checked against a text"))
 
     @model_validator(mode="after")
     def _check_shape(self) -> "Table":
@@ -307,11 +310,13 @@ def regime_against_paper(paper: Paper, table: Table, budget_name: str = "regime"
 
 
 def quotes_not_in_text(paper: Paper, text: str) -> list[str]:
-    """The paper_says quotes not found in the paper's text (whitespace and case ignored)."""
+    """The paper_says quotes not found in the paper's text (whitespace and case ignored); a table
+    quoting another paper (`quotes_from`) is not checked against this one's."""
     def normal(words: str) -> str:
         return " ".join(words.split()).lower()
     body = normal(text)
-    says = [*paper.paper_says.items(), *(item for table in paper.tables for item in table.paper_says.items())]
+    says = [*paper.paper_says.items(),
+            *(item for table in paper.tables if table.quotes_from is None for item in table.paper_says.items())]
     return [f"{key}: {entry.quote!r}" for key, entry in says if normal(entry.quote) not in body]
 
 
