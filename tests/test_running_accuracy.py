@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from pfedkit.experiments.running_accuracy import describe, final_counts, running_accuracies
+from pfedkit.experiments.running_accuracy import describe, final_counts, main, running_accuracies
 
 
 def test_each_clients_value_pools_the_counts_of_every_client_before_it():
@@ -47,3 +47,13 @@ def test_a_runs_counts_come_in_client_order_from_its_summary(tmp_path):
     assert describe(tmp_path).endswith("per client 70.00 ± 20.00; running (FedProto's code) 74.00 ± 16.00")
     with pytest.raises(ValueError, match="no per-client accuracies"):
         final_counts({})
+
+
+def test_the_command_names_a_directory_that_is_not_a_finished_run_and_goes_on(tmp_path, capsys):
+    finished, unfinished = tmp_path / "done", tmp_path / "running"
+    finished.mkdir(), unfinished.mkdir()
+    (finished / "summary.json").write_text(json.dumps({"clients": {"client": [0], "n_test": [4], "final_acc": [0.5]}}))
+    assert main([str(unfinished), str(finished)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{unfinished}: no summary.json: not a finished run directory"
+    assert lines[1].startswith(f"{finished}: per client 50.00 ± 0.00")

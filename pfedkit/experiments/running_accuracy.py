@@ -47,8 +47,10 @@ def final_counts(summary: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def describe(run_dir: Path) -> str:
-    summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    correct, total = final_counts(summary)
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise ValueError("no summary.json: not a finished run directory")
+    correct, total = final_counts(json.loads(path.read_text()))
     own = 100.0 * correct / total
     running = running_accuracies(correct, total)
     return (f"{run_dir}: per client {own.mean():.2f} ± {own.std():.2f}; "
@@ -62,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
                                      description="The final round's accuracy over clients, and FedProto's code's running one.")
     parser.add_argument("run_dirs", nargs="+", type=Path, help="finished run directories (summary.json)")
     args = parser.parse_args(argv)
+    failed = 0
     for run_dir in args.run_dirs:
-        print(describe(run_dir))
-    return 0
+        try:
+            print(describe(run_dir))
+        except ValueError as error:
+            print(f"{run_dir}: {error}")
+            failed += 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
